@@ -7,7 +7,7 @@ Run:
 """
 
 from selforch_jax import config_lib
-from selforch_jax.decode import defaults
+from selforch_jax.decoding.run import defaults
 
 
 def get_config(arg=None):

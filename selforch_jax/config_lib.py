@@ -54,10 +54,28 @@ def model_defaults() -> ml_collections.ConfigDict:
       a Hugging Face directory (config.json + model.safetensors), or ``"random"``.
     param_dtype / dtype: ``"float32"`` or ``"bfloat16"``.
     seed: init seed for ``weights="random"``.
+    tokenizer: ``""`` = the one that comes with the weights; ``"smollm2_gguf"``, a
+      ``.gguf`` path or an HF directory otherwise (needed with ``weights="random"``).
+    lora_rank / lora_alpha / lora_targets: LoRA adapters (rank 0 = none; targets are
+      comma-separated projection names).
+    remat: rematerialise layers in the backward pass.
   """
+  from selforch_jax.models.config import LORA_TARGETS
   return ml_collections.ConfigDict(dict(
       preset="smollm2_135m", weights="smollm2_gguf", param_dtype="float32", dtype="float32",
-      seed=0))
+      seed=0, tokenizer="", lora_rank=0, lora_alpha=16.0, lora_targets=",".join(LORA_TARGETS),
+      remat=False))
+
+
+def load_tokenizer(spec: str):
+  """A tokenizer from ``"smollm2_gguf"``, a ``.gguf`` file or an HF directory."""
+  from selforch_jax.tokenizers import Tokenizer
+  if spec == "smollm2_gguf":
+    from selforch_jax.checkpoints.assets import smollm2_gguf_path
+    return Tokenizer.from_gguf(smollm2_gguf_path())
+  if spec.endswith(".gguf"):
+    return Tokenizer.from_gguf(spec)
+  return Tokenizer.from_hf_dir(spec)
 
 
 def validate(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict,
@@ -101,6 +119,11 @@ def validate_model(mc: ml_collections.ConfigDict) -> None:
   w = mc.weights
   if w not in ("smollm2_gguf", "random") and not os.path.exists(w):
     raise ConfigError(f"model.weights={w!r}: no such file or directory")
+  t = mc.get("tokenizer", "")
+  if t and t != "smollm2_gguf" and not os.path.exists(t):
+    raise ConfigError(f"model.tokenizer={t!r}: no such file or directory")
+  if mc.get("lora_rank", 0) < 0:
+    raise ConfigError(f"model.lora_rank={mc.lora_rank} must be >= 0")
 
 
 def load_model(mc: ml_collections.ConfigDict):
@@ -118,17 +141,23 @@ def load_model(mc: ml_collections.ConfigDict):
 
   validate_model(mc)
   w = mc.weights
+  tok = load_tokenizer(mc.tokenizer) if mc.get("tokenizer") else None
+  remat = bool(mc.get("remat", False))
   if w == "random":
-    cfg: ModelConfig = get_preset(mc.preset, param_dtype=mc.param_dtype, dtype=mc.dtype)
-    return cfg, init_model(cfg, mc.seed), None
-  from selforch_jax.tokenizers import Tokenizer
+    cfg: ModelConfig = get_preset(mc.preset, param_dtype=mc.param_dtype, dtype=mc.dtype,
+                                  remat=remat)
+    return cfg, init_model(cfg, mc.seed), tok
   if w == "smollm2_gguf" or w.endswith(".gguf"):
     from selforch_jax.checkpoints.assets import smollm2_gguf_path
     from selforch_jax.checkpoints.gguf_import import load_gguf
     path = smollm2_gguf_path() if w == "smollm2_gguf" else w
     cfg, model, _ = load_gguf(path, param_dtype=mc.param_dtype, dtype=mc.dtype)
-    return cfg, model, Tokenizer.from_gguf(path)
-  from selforch_jax.checkpoints.safetensors_io import import_hf
-  cfg, model = import_hf(w, param_dtype=mc.param_dtype, dtype=mc.dtype)
-  tok = Tokenizer.from_hf_dir(w) if os.path.exists(os.path.join(w, "tokenizer.json")) else None
+    tok = tok or load_tokenizer(path)
+  else:
+    from selforch_jax.checkpoints.safetensors_io import import_hf
+    cfg, model = import_hf(w, param_dtype=mc.param_dtype, dtype=mc.dtype)
+    if tok is None and os.path.exists(os.path.join(w, "tokenizer.json")):
+      tok = load_tokenizer(w)
+  if remat:
+    model.cfg = cfg = cfg.replace(remat=True)
   return cfg, model, tok

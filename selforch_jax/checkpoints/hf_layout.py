@@ -211,6 +211,8 @@ def hf_from_params(cfg: ModelConfig, params: Mapping[str, Any]) -> dict[str, np.
   Args:
     cfg: the model config.
     params: nested dict as returned by ``param_dict(model)`` (jax or numpy arrays).
+      LoRA adapters (``*_lora_a`` / ``*_lora_b``), if any, are merged into the base
+      weights (``models.transformer.merge_lora``), since HF checkpoints have none.
 
   Returns:
     HF name -> contiguous numpy array in HF layout, dtype unchanged. Tied configs
@@ -219,8 +221,12 @@ def hf_from_params(cfg: ModelConfig, params: Mapping[str, Any]) -> dict[str, np.
   Raises:
     ValueError: if ``params`` does not have the structure/shapes of ``cfg``.
   """
-  _check_params(cfg, params)
   layers = params["layers"]
+  if any(_is_lora(k) for k in layers):  # fold adapters into the base weights first
+    from selforch_jax.models.transformer import merge_lora
+    layers = merge_lora(dict(layers), cfg)
+    params = {**params, "layers": layers}
+  _check_params(cfg, params)
   out = {"model.embed_tokens.weight": np.ascontiguousarray(np.asarray(params["embed"]))}
   stacked = {name: np.asarray(layers[name]) for name in _layer_names(cfg)}
   for i in range(cfg.num_layers):
@@ -256,9 +262,25 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
   return out
 
 
+def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  for key, v in flat.items():
+    *parents, leaf = key.split(".")
+    d = out
+    for p in parents:
+      d = d.setdefault(p, {})
+    d[leaf] = v
+  return out
+
+
+def _is_lora(key: str) -> bool:
+  return "_lora_" in key
+
+
 def _check_params(cfg: ModelConfig, params: Mapping[str, Any]) -> None:
+  """Base parameters must match ``cfg`` exactly; LoRA adapter entries are not checked here."""
   expected = _flatten(expected_param_shapes(cfg))
-  got = _flatten(params)
+  got = {k: v for k, v in _flatten(params).items() if not _is_lora(k)}
   missing = sorted(set(expected) - set(got))
   unexpected = sorted(set(got) - set(expected))
   if missing or unexpected:
@@ -276,7 +298,8 @@ def load_params_into(model: nnx.Module, params: Mapping[str, Any]) -> nnx.Module
     model: a :class:`~selforch_jax.models.transformer.Transformer` (its ``cfg``
       gives the expected shapes and ``param_dtype``).
     params: nested dict as from :func:`params_from_hf`; values are cast to
-      ``cfg.param_dtype``.
+      ``cfg.param_dtype``. LoRA adapters of ``model`` (``cfg.lora_rank > 0``) that
+      ``params`` does not mention keep their current values.
 
   Returns:
     ``model`` (for chaining).
@@ -287,9 +310,18 @@ def load_params_into(model: nnx.Module, params: Mapping[str, Any]) -> nnx.Module
   cfg: ModelConfig = model.cfg
   _check_params(cfg, params)
   pd = cfg.jnp_param_dtype
-  cast = jax.tree.map(lambda x: jnp.asarray(x, dtype=pd), dict(params))
   state = nnx.state(model, nnx.Param)
-  nnx.replace_by_pure_dict(state, cast)
+  current = _flatten(nnx.to_pure_dict(state))
+  new = _flatten(params)
+  unexpected = sorted(set(new) - set(current))
+  if unexpected:
+    raise ValueError(f"parameters {unexpected} do not exist in the model")
+  for k, v in new.items():
+    if tuple(np.shape(v)) != tuple(current[k].shape):
+      raise ValueError(f"parameter {k!r} has shape {tuple(np.shape(v))}, "
+                       f"the model expects {tuple(current[k].shape)}")
+  merged = {k: jnp.asarray(new[k], dtype=pd) if k in new else current[k] for k in current}
+  nnx.replace_by_pure_dict(state, _unflatten(merged))
   nnx.update(model, state)
   return model
 
@@ -298,12 +330,17 @@ def model_from_params(cfg: ModelConfig, params: Mapping[str, Any]):
   """Build a :class:`Transformer` holding ``params`` without a random initialisation.
 
   The module is created abstractly (``nnx.eval_shape``), so loading a checkpoint costs
-  only the copies into device arrays.
+  only the copies into device arrays. With ``cfg.lora_rank > 0`` and no adapters in
+  ``params``, the model is initialised for real (fresh adapters, ``B = 0``) first.
 
   Raises:
     ValueError: as :func:`load_params_into`.
   """
   from selforch_jax.models.transformer import Transformer  # local: avoid import cycles
 
-  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+  has_lora = any(_is_lora(k) for k in _flatten(params))
+  if cfg.lora_rank and not has_lora:
+    model = Transformer(cfg, rngs=nnx.Rngs(params=0))
+  else:
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
   return load_params_into(model, params)

@@ -3,9 +3,9 @@
 The loss mask is derived from the tokenizer's own chat template, by rendering prefixes
 of the conversation (no template-specific parsing): for assistant turn ``i``
 
-* ``start`` = number of tokens of ``render(messages[:i], add_generation_prompt=True)``,
+* ``start`` = length of ``encode_chat(messages[:i], add_generation_prompt=True)``,
   i.e. everything up to and including the assistant header (``<|im_start|>assistant\\n``);
-* ``end``   = number of tokens of ``render(messages[:i+1], add_generation_prompt=False)``,
+* ``end``   = length of ``encode_chat(messages[:i+1], add_generation_prompt=False)``,
   i.e. the turn with its closing text (``...<|im_end|>\\n``);
 * the mask is 1 on ``[start, stop]`` where ``stop`` is the last end-of-turn token
   (``tokenizer.stop_ids``, else ``eos_id``) inside ``[start, end)``; text the template adds
@@ -29,18 +29,15 @@ import numpy as np
 
 
 class ChatTokenizer(Protocol):
-  """The part of ``selforch_jax.tokenizers.Tokenizer`` this module uses."""
+  """The part of ``selforch_jax.tokenizers.Tokenizer`` the data pipeline uses.
 
-  eos_id: int
+  ``stop_ids`` (end-of-turn / EOS ids) close assistant turns in the loss mask; ``pad_id``
+  (None = 0) fills padding; ``encode_chat`` renders the chat template and encodes it.
+  """
+
+  eos_id: int | None
   pad_id: int | None
   stop_ids: Sequence[int]
-
-  def encode(self, text: str) -> list[int]:
-    ...
-
-  def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                          add_generation_prompt: bool = True, tokenize: bool = False) -> str:
-    ...
 
   def encode_chat(self, messages: Sequence[Mapping[str, str]],
                   add_generation_prompt: bool = True) -> list[int]:
@@ -53,6 +50,17 @@ def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
   b_arr = np.asarray(b[:n], dtype=np.int64)
   diff = np.nonzero(a_arr != b_arr)[0]
   return int(diff[0]) if diff.size else n
+
+
+def _encode_prefix(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, str]],
+                   add_generation_prompt: bool) -> list[int]:
+  # encode_chat (not encode(render(...))) so BOS handling matches the full conversation.
+  try:
+    return list(tokenizer.encode_chat(list(messages), add_generation_prompt=add_generation_prompt))
+  except Exception:  # pylint: disable=broad-except  # a template may reject an empty prefix
+    if messages:
+      raise
+    return []
 
 
 def _end_of_turn_ids(tokenizer: ChatTokenizer) -> set[int]:
@@ -92,12 +100,8 @@ def tokenize_chat(messages: Sequence[Mapping[str, str]], tokenizer: ChatTokenize
   for i, m in enumerate(messages):
     if m["role"] != "assistant":
       continue
-    head = tokenizer.encode(
-        tokenizer.apply_chat_template(list(messages[:i]), add_generation_prompt=True,
-                                      tokenize=False)) if i else []
-    turn = tokenizer.encode(
-        tokenizer.apply_chat_template(list(messages[:i + 1]), add_generation_prompt=False,
-                                      tokenize=False))
+    head = _encode_prefix(tokenizer, messages[:i], add_generation_prompt=True)
+    turn = _encode_prefix(tokenizer, messages[:i + 1], add_generation_prompt=False)
     start = _common_prefix_len(head, ids)
     end = _common_prefix_len(turn, ids)
     if end <= start:

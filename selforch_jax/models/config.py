@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 SUPPORTED_ARCHS = ("llama", "qwen3")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,9 @@ class ModelConfig:
     dtype: compute dtype of matmuls (``"float32"`` or ``"bfloat16"``); softmax,
       norms and logits are always computed in float32.
     remat: rematerialise each layer in the backward pass (saves memory in training).
+    lora_rank: rank r of LoRA adapters (Hu et al. 2021) on ``lora_targets``; 0 = none.
+    lora_alpha: LoRA scale numerator; the update is ``(alpha / r) * x @ A @ B``.
+    lora_targets: which projections get adapters (names of :class:`DecoderLayers` params).
   """
 
   arch: str = "llama"
@@ -73,6 +77,9 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"
   remat: bool = False
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = LORA_TARGETS
 
   def __post_init__(self):
     if self.arch not in SUPPORTED_ARCHS:
@@ -89,6 +96,13 @@ class ModelConfig:
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if isinstance(self.lora_targets, str):
+      object.__setattr__(self, "lora_targets", tuple(t for t in self.lora_targets.split(",") if t))
+    bad = set(self.lora_targets) - set(LORA_TARGETS)
+    if bad:
+      raise ValueError(f"unknown lora_targets {sorted(bad)}; choose from {LORA_TARGETS}")
+    if self.lora_rank < 0:
+      raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
     if isinstance(self.rope_scaling, Mapping):
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
@@ -205,6 +219,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny_llama": ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
                               num_layers=2, num_heads=4, num_kv_heads=2, rope_theta=10000.0,
                               tie_word_embeddings=False, max_position_embeddings=512),
+    # SmolLM2's vocabulary and layout at toy width: tests with the real tokenizer
+    "tiny_smollm2": ModelConfig(arch="llama", vocab_size=49152, hidden_size=64,
+                                intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                                tie_word_embeddings=True, max_position_embeddings=2048),
     "tiny_qwen3": ModelConfig(arch="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                               rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from selforch_jax.models.config import ModelConfig
@@ -97,10 +98,64 @@ class DecoderLayers(nnx.Module):
     self.gate_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd, fan_in=D)
     self.up_proj = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd, fan_in=D)
     self.down_proj = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), pd, fan_in=F)
+    if cfg.lora_rank:
+      r = cfg.lora_rank
+      for name in cfg.lora_targets:
+        base = getattr(self, name)
+        n_in = LORA_IN_DIMS[name]
+        in_shape, out_shape = base.shape[1:1 + n_in], base.shape[1 + n_in:]
+        in_axes, out_axes = base.logical_axes[1:1 + n_in], base.logical_axes[1 + n_in:]
+        std = float(np.prod(in_shape)) ** -0.5
+        a = (std * jax.random.normal(rngs.params(), (L, *in_shape, r), jnp.float32)).astype(pd)
+        setattr(self, f"{name}_lora_a",
+                nnx.LoRAParam(a, logical_axes=("layers", *in_axes, "lora_rank")))
+        setattr(self, f"{name}_lora_b", nnx.LoRAParam(
+            jnp.zeros((L, r, *out_shape), pd), logical_axes=("layers", "lora_rank", *out_axes)))
 
   def stacked(self) -> dict[str, jax.Array]:
-    """The stacked layer parameters as a plain dict of arrays (leading axis ``L``)."""
+    """The stacked layer parameters (LoRA adapters included) as a dict of arrays (axis 0 = L)."""
     return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+# number of leading (input) dims of each projection after the layer axis
+LORA_IN_DIMS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1,
+                "up_proj": 1, "down_proj": 1}
+
+
+def proj(x: jax.Array, p: dict, name: str, eq: str, dtype, lora_scale: float) -> jax.Array:
+  """``einsum(eq, x, p[name])`` plus the LoRA update ``scale * (x @ A) @ B`` when present.
+
+  ``eq`` is the base einsum, e.g. ``"btd,dhk->bthk"``; the adapter einsums are derived
+  from it (A: input dims + rank, B: rank + output dims).
+  """
+  y = jnp.einsum(eq, x, p[name].astype(dtype))
+  if f"{name}_lora_a" in p:
+    lhs, out = eq.split("->")
+    xs, _ = lhs.split(",")
+    in_sub, out_sub = xs[2:], out[2:]
+    xa = jnp.einsum(f"{xs},{in_sub}r->{xs[:2]}r", x, p[f"{name}_lora_a"].astype(dtype))
+    y = y + lora_scale * jnp.einsum(f"{xs[:2]}r,r{out_sub}->{out}", xa,
+                                    p[f"{name}_lora_b"].astype(dtype))
+  return y
+
+
+def merge_lora(layer_params: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+  """Fold LoRA adapters into the base weights: ``W + (alpha/r) * A @ B``; drops the adapters.
+
+  Args:
+    layer_params: dict of stacked layer arrays (numpy or jax), as in :meth:`DecoderLayers.stacked`.
+    cfg: the config the adapters were trained with (gives ``alpha / r``).
+  """
+  out = {k: v for k, v in layer_params.items() if "_lora_" not in k}
+  for name in LORA_IN_DIMS:
+    if f"{name}_lora_a" in layer_params:
+      a = jnp.asarray(layer_params[f"{name}_lora_a"], jnp.float32)
+      b = jnp.asarray(layer_params[f"{name}_lora_b"], jnp.float32)
+      L, r = a.shape[0], a.shape[-1]
+      delta = (a.reshape(L, -1, r) @ b.reshape(L, r, -1)).reshape(out[name].shape)
+      scale = cfg.lora_alpha / cfg.lora_rank
+      out[name] = (jnp.asarray(out[name], jnp.float32) + scale * delta).astype(out[name].dtype)
+  return out
 
 
 def attention(q, k, v, mask, dtype):
@@ -180,12 +235,13 @@ class Transformer(nnx.Module):
     inv_freq = rope_inv_freq(cfg)
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
     params = self.layers.stacked()
+    ls = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
 
     def layer(x, p, cache_kv):
       h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-      q = jnp.einsum("btd,dhk->bthk", h, p["q_proj"].astype(dtype))
-      k = jnp.einsum("btd,dhk->bthk", h, p["k_proj"].astype(dtype))
-      v = jnp.einsum("btd,dhk->bthk", h, p["v_proj"].astype(dtype))
+      q = proj(h, p, "q_proj", "btd,dhk->bthk", dtype, ls)
+      k = proj(h, p, "k_proj", "btd,dhk->bthk", dtype, ls)
+      v = proj(h, p, "v_proj", "btd,dhk->bthk", dtype, ls)
       if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -199,11 +255,11 @@ class Transformer(nnx.Module):
       else:
         keys, values = k, v
       a = attention(q, keys, values, mask, dtype)
-      x = x + jnp.einsum("bthk,hkd->btd", a, p["o_proj"].astype(dtype))
+      x = x + proj(a, p, "o_proj", "bthk,hkd->btd", dtype, ls)
       h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-      g = jnp.einsum("btd,df->btf", h, p["gate_proj"].astype(dtype))
-      u = jnp.einsum("btd,df->btf", h, p["up_proj"].astype(dtype))
-      x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, p["down_proj"].astype(dtype))
+      g = proj(h, p, "gate_proj", "btd,df->btf", dtype, ls)
+      u = proj(h, p, "up_proj", "btd,df->btf", dtype, ls)
+      x = x + proj(jax.nn.silu(g) * u, p, "down_proj", "btf,fd->btd", dtype, ls)
       return x, cache_kv
 
     if cfg.remat:
@@ -258,6 +314,23 @@ def positions_from_valid(valid: jax.Array) -> jax.Array:
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
   """A randomly initialised :class:`Transformer` (normal(0, fan_in^-1/2) matrices, unit norms)."""
   return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def add_lora(model: Transformer, rank: int, alpha: float = 16.0,
+             targets: tuple[str, ...] | str | None = None, seed: int = 0) -> Transformer:
+  """A copy of ``model`` with LoRA adapters (Hu et al. 2021) of rank ``rank``.
+
+  A is random normal(0, fan_in^-1/2), B is zero, so the new model computes exactly what
+  ``model`` computes until B is trained. ``rank == 0`` returns ``model`` unchanged.
+  """
+  if rank <= 0:
+    return model
+  kw = dict(lora_rank=rank, lora_alpha=alpha)
+  if targets is not None:
+    kw["lora_targets"] = targets
+  new = Transformer(model.cfg.replace(**kw), rngs=nnx.Rngs(params=seed))
+  nnx.update(new, nnx.state(model, nnx.Param))
+  return new
 
 
 def param_dict(model: Transformer) -> dict[str, Any]:

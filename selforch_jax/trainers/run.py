@@ -1,0 +1,219 @@
+"""The training run behind ``python -m selforch_jax.train``: config schema, validation,
+the loop (metrics, eval, checkpoints, resume, SIGTERM, NaN stop).
+
+Kept apart from the absl entry point so that config files can import :func:`defaults`
+without defining flags twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import ml_collections
+from absl import logging
+
+from selforch_jax import config_lib
+
+
+class TrainingError(RuntimeError):
+  """Training stopped (e.g. a non-finite loss)."""
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Every key of a training config with its default (types are checked against these)."""
+  from ml_collections.config_dict import placeholder
+
+  from selforch_jax.trainers.optim import optim_defaults
+
+  model = config_lib.model_defaults()
+  data = ml_collections.ConfigDict(dict(
+      name="gsm8k", path=placeholder(str), split="train", eval_fraction=0.0, eval_split_seed=0,
+      eval_path=placeholder(str), seq_len=256, batch_size=8, packing=True,
+      num_packing_bins=placeholder(int), shuffle=True, shuffle_seed=0, num_epochs=placeholder(int),
+      max_examples=placeholder(int), drop_remainder=True, num_threads=2, prefetch_buffer_size=16))
+  train = ml_collections.ConfigDict(dict(
+      steps=100, log_every=1, eval_every=0, eval_batches=4, checkpoint_every=50, keep=3,
+      async_checkpoint=True, train_embed_rows_from=-1, seed=0))
+  mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  return ml_collections.ConfigDict(dict(model=model, data=data, optim=optim_defaults(),
+                                        train=train, mesh=mesh))
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+  """Validate a training config before any work. Raises ``config_lib.ConfigError``."""
+  from selforch_jax import sharding as shd
+  from selforch_jax.data.pipeline import DataConfig
+
+  config_lib.validate(config, defaults())
+  config_lib.validate_model(config.model)
+  try:
+    DataConfig.from_any(config.data)
+  except (ValueError, TypeError) as e:
+    raise config_lib.ConfigError(f"data: {e}") from None
+  if config.train.steps < 1:
+    raise config_lib.ConfigError(f"train.steps={config.train.steps} must be >= 1")
+  if config.optim.grad_accum < 1 or config.data.batch_size % config.optim.grad_accum:
+    raise config_lib.ConfigError(
+        f"data.batch_size={config.data.batch_size} must be a multiple of "
+        f"optim.grad_accum={config.optim.grad_accum}")
+  if config.optim.schedule not in ("cosine", "linear", "constant"):
+    raise config_lib.ConfigError(f"optim.schedule={config.optim.schedule!r} must be cosine, "
+                                 "linear or constant")
+  try:
+    d, f, t = shd.mesh_shape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, num_devices)
+  except shd.MeshError as e:
+    raise config_lib.ConfigError(f"mesh: {e}") from None
+  import jax
+  nproc = jax.process_count()
+  if config.data.batch_size % (d * f) or (config.data.batch_size // nproc) * nproc != config.data.batch_size:
+    raise config_lib.ConfigError(
+        f"data.batch_size={config.data.batch_size} must be divisible by the batch mesh axes "
+        f"data x fsdp = {d * f} and by the {nproc} processes")
+
+
+class MetricsWriter:
+  """Metrics to ``metrics.jsonl`` and TensorBoard (tensorboardX) on process 0."""
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    self.enabled = enabled
+    if enabled:
+      from tensorboardX import SummaryWriter
+      os.makedirs(workdir, exist_ok=True)
+      self.f = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def write(self, step: int, metrics: dict) -> None:
+    if not self.enabled:
+      return
+    self.f.write(json.dumps({"step": step, **metrics}) + "\n")
+    self.f.flush()
+    for k, v in metrics.items():
+      if isinstance(v, (int, float)):
+        self.tb.add_scalar(k, v, step)
+
+  def close(self) -> None:
+    if self.enabled:
+      self.f.close()
+      self.tb.close()
+
+
+def build(config, workdir: str):
+  """Build (trainer, tokenizer, train dataset, eval dataset or None, checkpointer)."""
+  from selforch_jax import sharding as shd
+  from selforch_jax.data.pipeline import make_dataset
+  from selforch_jax.models.transformer import add_lora
+  from selforch_jax.trainers.checkpoint import Checkpointer
+  from selforch_jax.trainers.sft import SFTTrainer
+
+  mc = config.model
+  cfg, model, tok = config_lib.load_model(mc)
+  if tok is None:
+    raise config_lib.ConfigError("training needs a tokenizer: set model.tokenizer or use GGUF/HF weights")
+  lora = mc.lora_rank > 0
+  if lora:
+    model = add_lora(model, mc.lora_rank, mc.lora_alpha, mc.lora_targets, seed=config.train.seed)
+  mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  trainer = SFTTrainer(model, mesh, config.optim, config.train.steps, lora=lora,
+                       train_embed_rows_from=config.train.train_embed_rows_from)
+  train_ds = make_dataset(config.data, tok, "train", config.data.shuffle_seed)
+  eval_ds = None
+  if config.train.eval_every > 0:
+    eval_cfg = config.data.to_dict() | {"num_epochs": 1, "shuffle": False}
+    eval_ds = make_dataset(eval_cfg, tok, "eval")
+  ckpt = Checkpointer(workdir, config.train.checkpoint_every, config.train.keep,
+                      config.train.async_checkpoint)
+  return trainer, tok, train_ds, eval_ds, ckpt
+
+
+def local_rows(batch: dict, process_index: int, process_count: int) -> dict:
+  """This process's slice of a global batch (rows split evenly across processes)."""
+  if process_count == 1:
+    return batch
+  B = next(iter(batch.values())).shape[0]
+  n = B // process_count
+  return {k: v[process_index * n:(process_index + 1) * n] for k, v in batch.items()}
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Run (or resume) training. Returns a summary dict (final step, last loss, ...).
+
+  Raises:
+    config_lib.ConfigError: a bad config (before any work).
+    TrainingError: a non-finite loss (the last good checkpoint is kept).
+  """
+  import itertools
+
+  import jax
+  import numpy as np
+  from tqdm import tqdm
+
+  validate(config)
+  is_main = jax.process_index() == 0
+  trainer, tok, train_ds, eval_ds, ckpt = build(config, workdir)
+  data_iter = iter(train_ds)
+  config_json = json.loads(config.to_json())
+  start = 0
+  if ckpt.latest_step() is not None:
+    start = ckpt.restore(trainer, data_iter)
+    logging.info("resumed from step %d in %s", start, ckpt.directory)
+    if is_main:
+      print(f"resumed from checkpoint at step {start}", file=sys.stderr)
+  stop = {"signal": None}
+
+  def on_term(signum, frame):
+    stop["signal"] = signum
+  old = signal.signal(signal.SIGTERM, on_term)
+  writer = MetricsWriter(workdir, enabled=is_main)
+  pid, nproc = jax.process_index(), jax.process_count()
+  last = {}
+  steps = config.train.steps
+  bar = tqdm(total=steps, initial=start, desc="train", unit="step", file=sys.stderr,
+             disable=not is_main)
+  try:
+    while trainer.step < steps:
+      if stop["signal"] is not None:
+        break
+      try:
+        batch = next(data_iter)
+      except StopIteration:
+        logging.info("data exhausted at step %d", trainer.step)
+        break
+      t0 = time.perf_counter()
+      m = trainer.train_step(local_rows(batch, pid, nproc))
+      dt = time.perf_counter() - t0
+      if not np.isfinite(m["loss"]) or not np.isfinite(m["grad_norm"]):
+        ckpt.wait()
+        raise TrainingError(
+            f"non-finite loss ({m['loss']}) / grad norm ({m['grad_norm']}) at step {trainer.step}; "
+            f"stopped. Last good checkpoint: step {ckpt.latest_step()} in {ckpt.directory}")
+      m["tokens_per_s"] = float(batch["segment_ids"].astype(bool).sum()) / dt
+      m["step_time_s"] = dt
+      last = m
+      if trainer.step % config.train.log_every == 0 or trainer.step == steps:
+        writer.write(trainer.step, m)
+      if eval_ds is not None and trainer.step % config.train.eval_every == 0:
+        ev = trainer.eval_loss(local_rows(b, pid, nproc)
+                               for b in itertools.islice(iter(eval_ds), config.train.eval_batches))
+        writer.write(trainer.step, ev)
+        last.update(ev)
+      bar.update(1)
+      bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}")
+      ckpt.maybe_save(trainer, data_iter, config_json)
+    # final / preemption checkpoint
+    if ckpt.latest_step() != trainer.step:
+      ckpt.save(trainer, data_iter, config_json, force=True)
+    ckpt.wait()
+  finally:
+    bar.close()
+    writer.close()
+    signal.signal(signal.SIGTERM, old)
+  ckpt.close()
+  summary = {"step": trainer.step, "preempted": stop["signal"] is not None,
+             "checkpoint": ckpt.directory, **{k: v for k, v in last.items()}}
+  return summary
+
+

@@ -1,0 +1,119 @@
+"""Decode invariants on tiny random models (Llama and Qwen3 layouts)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from selforch_jax.decoding.generate import Generator
+from selforch_jax.decoding.sampling import SamplingParams, sample_token
+from selforch_jax.models.config import get_preset
+from selforch_jax.models.transformer import (KVCache, causal_mask, init_model,
+                                             positions_from_valid)
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [200]]
+
+
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen3"])
+def gen(request):
+  return Generator(init_model(get_preset(request.param), seed=1))
+
+
+def full_logprobs(model, seq):
+  t = jnp.asarray([seq])
+  v = jnp.ones_like(t, bool)
+  logits, _ = model(t, positions_from_valid(v), causal_mask(v))
+  return np.asarray(jax.nn.log_softmax(logits[0], -1)), np.asarray(logits[0])
+
+
+def test_cached_decode_equals_full_forward_every_step(gen):
+  from flax import nnx
+  model = nnx.merge(gen.graphdef, gen.state)
+  res, _ = gen.generate(PROMPTS[:1], max_new_tokens=24)
+  p = PROMPTS[0]
+  seq = p + res[0].token_ids
+  lp, logits = full_logprobs(model, seq)
+  n = len(res[0].token_ids)
+  ref = np.array([lp[len(p) - 1 + i, seq[len(p) + i]] for i in range(n)])
+  np.testing.assert_allclose(np.array(res[0].logprobs), ref, atol=1e-5)
+  # greedy: each produced token is the argmax of the full forward at that step
+  assert [int(np.argmax(logits[len(p) - 1 + i])) for i in range(n)] == res[0].token_ids
+
+  # and the cache itself: logits of one cached step equal the full forward's last row
+  cfg = model.cfg
+  T = len(seq)
+  cache = KVCache.zeros(cfg, 1, T + 3)
+  toks = jnp.asarray([seq])
+  mask = jnp.arange(T + 3)[None, :] <= jnp.arange(T)[:, None]
+  lg_c, cache = model(toks[:, :-1], jnp.arange(T - 1)[None], mask[None, :-1], cache, 0)
+  lg_last, _ = model(toks[:, -1:], jnp.asarray([[T - 1]]), mask[None, -1:], cache, T - 1)
+  np.testing.assert_allclose(np.asarray(lg_c[0]), logits[:-1], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(lg_last[0, 0]), logits[-1], atol=1e-5)
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_padded_batch_equals_solo(gen, padding):
+  batch, _ = gen.generate(PROMPTS, max_new_tokens=16, padding=padding)
+  for i, p in enumerate(PROMPTS):
+    solo, _ = gen.generate([p], max_new_tokens=16)
+    assert batch[i].token_ids == solo[0].token_ids, (i, padding)
+    np.testing.assert_allclose(batch[i].logprobs, solo[0].logprobs, atol=1e-5)
+
+
+def test_shorter_max_new_tokens_is_prefix(gen):
+  for sp in (SamplingParams(), SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)):
+    long, _ = gen.generate(PROMPTS, max_new_tokens=20, sampling=sp)
+    short, _ = gen.generate(PROMPTS, max_new_tokens=7, sampling=sp)
+    for a, b in zip(long, short):
+      assert a.token_ids[:7] == b.token_ids
+      assert b.finish_reason == "length"
+
+
+def test_same_seed_same_sample_different_seed_differs(gen):
+  sp = SamplingParams(temperature=1.0, seed=3)
+  a, _ = gen.generate(PROMPTS, max_new_tokens=16, sampling=sp)
+  b, _ = gen.generate(PROMPTS, max_new_tokens=16, sampling=sp)
+  c, _ = gen.generate(PROMPTS, max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=4))
+  assert [r.token_ids for r in a] == [r.token_ids for r in b]
+  assert [r.token_ids for r in a] != [r.token_ids for r in c]
+  greedy, _ = gen.generate(PROMPTS, max_new_tokens=16)
+  assert [r.token_ids for r in a] != [r.token_ids for r in greedy]
+
+
+def test_stop_tokens_end_rows_independently(gen):
+  free, _ = gen.generate(PROMPTS, max_new_tokens=12)
+  stop = free[0].token_ids[3]  # a token row 0 produces at step 3
+  first = free[0].token_ids.index(stop)
+  res, stats = gen.generate(PROMPTS, max_new_tokens=12, stop_ids=[stop])
+  assert res[0].finish_reason == "stop"
+  assert res[0].token_ids == free[0].token_ids[:first]
+  for r, f in zip(res, free):  # other rows: cut at their own first stop token, or unchanged
+    cut = f.token_ids.index(stop) if stop in f.token_ids else len(f.token_ids)
+    assert r.token_ids == f.token_ids[:cut]
+  assert stats.decode_tokens_per_s > 0 and stats.prefill_ms > 0
+
+
+def test_sampling_filters():
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+  keys = jax.random.split(jax.random.PRNGKey(0), 2000)
+  draw = lambda sp: np.asarray(jax.vmap(lambda k: sample_token(logits, k, sp))(keys))[:, 0]
+  assert set(draw(SamplingParams(temperature=1.0, top_k=2))) == {0, 1}
+  assert set(draw(SamplingParams(temperature=1.0, top_p=0.7))) == {0, 1}  # 0.5 < 0.7 <= 0.8
+  assert set(draw(SamplingParams(temperature=1.0, top_p=0.85))) == {0, 1, 2}
+  freq = np.bincount(draw(SamplingParams(temperature=1.0)), minlength=4) / 2000
+  np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.04)
+  assert int(sample_token(logits, keys[0], SamplingParams())[0]) == 0
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingParams(top_p=0.0)
+
+
+def test_bad_inputs(gen):
+  ctx = gen.cfg.max_position_embeddings
+  with pytest.raises(ValueError, match="context length"):
+    gen.generate([[1] * (ctx - 3)], max_new_tokens=8)
+  with pytest.raises(ValueError, match="empty"):
+    gen.generate([[]], max_new_tokens=8)
+  with pytest.raises(ValueError, match="outside"):
+    gen.generate([[gen.cfg.vocab_size]], max_new_tokens=8)
+  with pytest.raises(ValueError, match="padding"):
+    gen.generate([[1]], max_new_tokens=8, padding="middle")
