@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from selforch_jax import config_lib
@@ -52,6 +52,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _CONFIG.value is None or _WORKDIR.value is None:
     raise app.UsageError("--config and --workdir are required")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
   init_distributed()
   try:
     summary = train(_CONFIG.value, _WORKDIR.value)

@@ -333,6 +333,23 @@ def add_lora(model: Transformer, rank: int, alpha: float = 16.0,
   return new
 
 
+def merged_model(model: Transformer) -> Transformer:
+  """A LoRA-free copy of ``model`` with the adapters folded in (:func:`merge_lora`).
+
+  A model without adapters is returned unchanged.
+  """
+  if not model.cfg.lora_rank:
+    return model
+  cfg = model.cfg.replace(lora_rank=0)
+  new = Transformer(cfg, rngs=nnx.Rngs(params=0))
+  base = nnx.state(model, nnx.Param)
+  merged = merge_lora(model.layers.stacked(), model.cfg)
+  nnx.update(new, nnx.filter_state(base, nnx.Not(nnx.LoRAParam)))
+  for k, v in merged.items():
+    getattr(new.layers, k)[...] = v
+  return new
+
+
 def param_dict(model: Transformer) -> dict[str, Any]:
   """Nested dict of plain arrays of ``model``'s parameters (for import/export)."""
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+import zlib
 
 import ml_collections
 from absl import logging
@@ -138,8 +139,14 @@ def local_rows(batch: dict, process_index: int, process_count: int) -> dict:
   return {k: v[process_index * n:(process_index + 1) * n] for k, v in batch.items()}
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
   """Run (or resume) training. Returns a summary dict (final step, last loss, ...).
+
+  Args:
+    config: a validated-on-entry training config (see :func:`defaults`).
+    workdir: run directory; an existing checkpoint there is resumed.
+    stop_at: stop (with a checkpoint) once this step is reached, as if interrupted; the
+      schedule still follows ``train.steps``.
 
   Raises:
     config_lib.ConfigError: a bad config (before any work).
@@ -175,7 +182,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
              disable=not is_main)
   try:
     while trainer.step < steps:
-      if stop["signal"] is not None:
+      if stop["signal"] is not None or (stop_at is not None and trainer.step >= stop_at):
         break
       try:
         batch = next(data_iter)
@@ -192,6 +199,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             f"stopped. Last good checkpoint: step {ckpt.latest_step()} in {ckpt.directory}")
       m["tokens_per_s"] = float(batch["segment_ids"].astype(bool).sum()) / dt
       m["step_time_s"] = dt
+      m["batch_crc32"] = zlib.crc32(np.ascontiguousarray(batch["tokens"]).tobytes())
       last = m
       if trainer.step % config.train.log_every == 0 or trainer.step == steps:
         writer.write(trainer.step, m)

@@ -73,10 +73,14 @@ class SFTTrainer:
     self.frozen_sh = shd.state_shardings(frozen, mesh, rules)
     self.params = jax.device_put(params, self.params_sh)
     self.frozen = jax.device_put(frozen, self.frozen_sh)
-    self.opt_state = jax.jit(self.tx.init, out_shardings=None)(self.params)
-    self.opt_sh = jax.tree.map(lambda x: x.sharding, self.opt_state)
-    self.step = 0
     repl = NamedSharding(mesh, P())
+    # moments mirror the params (same shardings); counters etc. are replicated
+    abstract_opt = jax.eval_shape(self.tx.init, self.params)
+    self.opt_sh = jax.tree.map(
+        lambda x: self.params_sh if isinstance(x, nnx.State) else repl, abstract_opt,
+        is_leaf=lambda x: isinstance(x, nnx.State))
+    self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sh)(self.params)
+    self.step = 0
     self._batch_sh = {k: shd.batch_sharding(mesh, 2) for k in BATCH_KEYS}
     self._train = jax.jit(
         self._train_step,
@@ -122,7 +126,7 @@ class SFTTrainer:
     if self.embed_from >= 0:
       updates = self._mask_old_rows(updates)
     params = optax.apply_updates(params, updates)
-    metrics = {"loss": s / n, "grad_norm": optax.global_norm(g), "tokens": n}
+    metrics = {"loss": s / n, "grad_norm": optax.tree.norm(g), "tokens": n}
     return params, opt_state, metrics
 
   def _mask_old_rows(self, updates):
