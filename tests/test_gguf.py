@@ -246,6 +246,12 @@ def test_f32_gguf_tied(tmp_path):
   cfg2, model2, _ = load_gguf(path)
   assert cfg2.tie_word_embeddings and cfg2 == cfg
   assert np.abs(_logits(model2, TOKENS) - _logits(model, TOKENS)).max() <= 1e-5
+  cfg3, model3, _ = load_gguf(path, param_dtype="bfloat16")
+  assert (cfg3.param_dtype, cfg3.dtype) == ("bfloat16", "bfloat16")
+  assert model3.embed[...].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(model3.embed[...], model2.embed[...].astype(jnp.bfloat16))
+  cfg4, _, _ = load_gguf(path, param_dtype="bfloat16", dtype="float32")
+  assert (cfg4.param_dtype, cfg4.dtype) == ("bfloat16", "float32")
 
 
 # bound on the relative RMS error of the logits vs the float32 model, per type (~3x the

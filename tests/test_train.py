@@ -151,7 +151,7 @@ def test_lora_trains_only_adapters_and_new_rows_and_merged_export_matches(tmp_pa
 
   from selforch_jax import sharding as shd
   from selforch_jax.checkpoints.safetensors_io import import_hf
-  from selforch_jax.export import export_run, restore_run
+  from selforch_jax.trainers.restore import export_run, restore_run
   from selforch_jax.models.transformer import causal_mask, positions_from_valid
   c = tiny_config(steps=4, train__train_embed_rows_from=49100)
   c.model.lora_rank = 4

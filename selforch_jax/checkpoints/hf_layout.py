@@ -35,7 +35,6 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -223,6 +222,9 @@ def hf_from_params(cfg: ModelConfig, params: Mapping[str, Any]) -> dict[str, np.
   """
   layers = params["layers"]
   if any(_is_lora(k) for k in layers):  # fold adapters into the base weights first
+    if not cfg.lora_rank:
+      raise ValueError("params contain LoRA adapters but cfg.lora_rank == 0; pass the config "
+                       "the adapters were trained with (it gives their scale alpha / r)")
     from selforch_jax.models.transformer import merge_lora
     layers = merge_lora(dict(layers), cfg)
     params = {**params, "layers": layers}
