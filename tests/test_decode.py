@@ -117,3 +117,38 @@ def test_bad_inputs(gen):
     gen.generate([[gen.cfg.vocab_size]], max_new_tokens=8)
   with pytest.raises(ValueError, match="padding"):
     gen.generate([[1]], max_new_tokens=8, padding="middle")
+
+
+def test_bfloat16_compute_close_to_float32():
+  cfg = get_preset("tiny_llama")
+  m32 = init_model(cfg, seed=2)
+  m16 = init_model(cfg.replace(param_dtype="bfloat16", dtype="bfloat16"), seed=2)
+  assert m16.embed[...].dtype == jnp.bfloat16
+  t = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+  v = jnp.ones_like(t, bool)
+  a, _ = m32(t, positions_from_valid(v), causal_mask(v))
+  b, _ = m16(t, positions_from_valid(v), causal_mask(v))
+  assert b.dtype == jnp.float32  # logits are always float32
+  err = float(jnp.abs(a - b).max() / jnp.abs(a).max())
+  assert 0 < err < 0.05, err  # bf16 rounding is visible but small
+  cache = KVCache.zeros(m16.cfg, 1, 16)
+  assert cache.k.dtype == jnp.bfloat16
+
+
+def test_decode_config_validation():
+  from selforch_jax import config_lib
+  from selforch_jax.decoding.run import defaults, validate
+  c = defaults()
+  validate(c)
+  with c.unlocked():
+    c.sampling.temprature = 0.5
+  with pytest.raises(config_lib.ConfigError, match="sampling.temprature"):
+    validate(c)
+  c = defaults()
+  c.padding = "middle"
+  with pytest.raises(config_lib.ConfigError, match="padding"):
+    validate(c)
+  c = defaults()
+  c.model.weights = "/nonexistent/model.gguf"
+  with pytest.raises(config_lib.ConfigError, match="model.weights"):
+    validate(c)

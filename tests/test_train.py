@@ -276,3 +276,35 @@ def test_two_processes_agree_on_loss(tmp_path):
   assert losses[0] == losses[1]
   one = train(tiny_config(steps=1), str(tmp_path / "single"))
   np.testing.assert_allclose(losses[0], one["loss"], atol=1e-5)
+
+
+def test_grad_accumulation_and_schedule():
+  from selforch_jax import sharding as shd
+  from selforch_jax.models.config import get_preset
+  from selforch_jax.models.transformer import init_model
+  from selforch_jax.trainers.optim import make_schedule, optim_defaults
+  from selforch_jax.trainers.sft import SFTTrainer
+  rng = np.random.default_rng(0)
+  B, T = 4, 16
+  seg = np.ones((B, T), np.int32)
+  seg[:, 12:] = 2  # two packed examples per row
+  pos = np.concatenate([np.arange(12), np.arange(4)])[None].repeat(B, 0).astype(np.int32)
+  batch = dict(tokens=rng.integers(0, 256, (B, T)).astype(np.int32),
+               targets=rng.integers(0, 256, (B, T)).astype(np.int32),
+               loss_mask=(rng.random((B, T)) < 0.7).astype(np.int32), segment_ids=seg, positions=pos)
+  losses = {}
+  for accum in (1, 2, 4):
+    oc = optim_defaults()
+    oc.lr, oc.warmup_steps, oc.grad_accum = 1e-2, 0, accum
+    tr = SFTTrainer(init_model(get_preset("tiny_llama"), 0), shd.make_mesh(), oc, 5)
+    losses[accum] = [tr.train_step(batch)["loss"] for _ in range(3)]
+  np.testing.assert_allclose(losses[2], losses[1], atol=1e-5)
+  np.testing.assert_allclose(losses[4], losses[1], atol=1e-5)
+  assert losses[1][2] < losses[1][0]
+  oc = optim_defaults()
+  oc.lr, oc.warmup_steps, oc.end_lr_frac = 1.0, 10, 0.1
+  s = make_schedule(oc, 110)
+  assert float(s(0)) == 0.0 and abs(float(s(5)) - 0.5) < 1e-6 and abs(float(s(10)) - 1.0) < 1e-6
+  assert abs(float(s(110)) - 0.1) < 1e-6 and abs(float(s(60)) - 0.55) < 1e-6  # cosine midpoint
+  oc.schedule = "linear"
+  assert abs(float(make_schedule(oc, 110)(60)) - 0.55) < 1e-6
