@@ -204,13 +204,13 @@ def bench_ours(model, args, batches) -> tuple[dict[str, Any], Any]:
   return res, trainer
 
 
-def lora_a_matrices(trainer) -> dict[str, np.ndarray]:
-  """Our A adapters as ``{name: [L, in, r]}`` float32 (multi-dim inputs flattened)."""
-  layers = nnx.to_pure_dict(trainer.params)["layers"]
+def lora_a_matrices(model) -> dict[str, np.ndarray]:
+  """The model's initial A adapters as ``{name: [L, in, r]}`` float32 numpy (multi-dim inputs
+  flattened); read before training (the trainer donates and updates them)."""
   out = {}
-  for k, v in layers.items():
+  for k, v in model.layers.stacked().items():
     if k.endswith("_lora_a"):
-      a = np.asarray(jax.device_get(v), np.float32)
+      a = np.array(jax.device_get(v), np.float32)
       out[k[:-len("_lora_a")]] = a.reshape(a.shape[0], -1, a.shape[-1])
   return out
 
@@ -492,10 +492,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from selforch_jax.models.transformer import add_lora
     model = add_lora(model, args.lora_rank, args.lora_alpha, seed=args.seed)
   model_cfg = model.cfg
+  lora_a = lora_a_matrices(model) if args.lora_rank > 0 and not args.skip_torch else None
   ours, trainer = bench_ours(model, args, batches)
   ours["load_s"] = _r(load_s, 2)
   result["ours"] = ours
-  lora_a = lora_a_matrices(trainer) if args.lora_rank > 0 else None
   if args.breakdown:
     result["breakdown_ours"] = breakdown_ours(model_cfg, trainer, batches[0],
                                               args.breakdown_repeats)

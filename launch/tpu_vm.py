@@ -132,10 +132,12 @@ def run_commands(name: str, zone: str, config: str, workdir: str,
 
   ``extra_flags`` are passed through verbatim (each shell-quoted inside the remote command, so a
   value with spaces stays one argument); ``env`` entries ``KEY=VALUE`` are exported first.
-  Multi-host initialisation is the program's job (``jax.distributed.initialize()`` needs no
-  arguments on TPU).
+  For ``selforch_jax.train`` the flag ``--distributed`` is added: the trainer then calls
+  ``jax.distributed.initialize()``, which needs no arguments on TPU (single host included).
   """
   argv = [".venv/bin/python", "-m", module, f"--config={config}", f"--workdir={workdir}"]
+  if module == "selforch_jax.train":
+    argv.append("--distributed")
   argv += list(extra_flags)
   prefix = "".join(f"export {shlex.quote(e)} && " for e in env)
   remote = f"cd {REMOTE_DIR} && {prefix}{shlex.join(argv)}"

@@ -152,3 +152,23 @@ def test_decode_config_validation():
   c.model.weights = "/nonexistent/model.gguf"
   with pytest.raises(config_lib.ConfigError, match="model.weights"):
     validate(c)
+
+
+def test_scatter_writes_equal_contiguous_writes():
+  """A cache filled through arbitrary slots (a paged pool) gives the same logits."""
+  m = init_model(get_preset("tiny_qwen3"), seed=5)
+  T, S = 6, 16
+  toks = jnp.asarray([[7, 8, 9, 10, 11, 12]])
+  pos = jnp.arange(T)[None]
+  v = jnp.ones_like(toks, bool)
+  ref, _ = m(toks, pos, causal_mask(v))
+  slots = jnp.asarray([[9, 2, 14, 0, 5, 11]])  # scattered slots
+  # query t sees the slots of tokens 0..t
+  vis = jnp.zeros((1, T, S), bool)
+  for t in range(T):
+    vis = vis.at[0, t, slots[0, :t + 1]].set(True)
+  out, cache = m(toks, pos, vis, KVCache.zeros(m.cfg, 1, S), write_slots=slots)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+  assert float(jnp.abs(cache.k[:, 0, 1]).max()) == 0.0  # untouched slot
+  with pytest.raises(ValueError, match="exactly one"):
+    m(toks, pos, vis, KVCache.zeros(m.cfg, 1, S), 0, write_slots=slots)

@@ -94,7 +94,7 @@ def test_run_with_passthrough_flags_and_quoting(capsys):
   assert lines == [
       "gcloud compute tpus tpu-vm ssh tpu1 --zone=us-central2-b --worker=all "
       "'--command=cd ~/selforch_jax && .venv/bin/python -m selforch_jax.train "
-      "--config=configs/smollm2_135m.py --workdir=gs://bucket/runs/r1 "
+      "--config=configs/smollm2_135m.py --workdir=gs://bucket/runs/r1 --distributed "
       "'\"'\"'--config.system_prompt=You are a helpful assistant.'\"'\"' "
       "--config.optim.lr=3e-4'"]
   # Round trip: local shell gives one --command argument; the remote shell splits it back into
@@ -103,7 +103,7 @@ def test_run_with_passthrough_flags_and_quoting(capsys):
   remote = argv[-1][len("--command="):]
   assert shlex.split(remote.split(" && ", 1)[1]) == [
       ".venv/bin/python", "-m", "selforch_jax.train", "--config=configs/smollm2_135m.py",
-      "--workdir=gs://bucket/runs/r1", "--config.system_prompt=You are a helpful assistant.",
+      "--workdir=gs://bucket/runs/r1", "--distributed", "--config.system_prompt=You are a helpful assistant.",
       "--config.optim.lr=3e-4"]
 
 

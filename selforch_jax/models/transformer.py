@@ -202,7 +202,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
                kv_cache: KVCache | None = None, cache_index: jax.Array | int | None = None,
-               *, return_hidden: bool = False) -> tuple[jax.Array, KVCache | None]:
+               *, write_slots: jax.Array | None = None, return_hidden: bool = False) -> tuple[jax.Array, KVCache | None]:
     """Forward pass.
 
     Args:
@@ -211,9 +211,13 @@ class Transformer(nnx.Module):
       mask: ``[B, T, S]`` bool visibility (query x key). Without a cache, ``S == T``
         and keys are the T tokens themselves; with a cache, ``S == kv_cache.max_len``
         and keys are the cache slots after this call's writes.
-      kv_cache: optional :class:`KVCache`; the T new keys/values are written to slots
-        ``[cache_index, cache_index + T)`` of every row before attention.
-      cache_index: int32 scalar, first slot to write (required with ``kv_cache``).
+      kv_cache: optional :class:`KVCache`; the T new keys/values are written to its
+        slots before attention: ``[cache_index, cache_index + T)`` of every row, or the
+        slots ``write_slots[b, t]`` (a paged pool seen as a flat slot array).
+      cache_index: int32 scalar, first slot to write (contiguous writes).
+      write_slots: ``[B, T]`` int32 slot of each new token (scatter writes); exactly one
+        of ``cache_index`` / ``write_slots`` is required with ``kv_cache``. Slots must be
+        distinct within a row.
       return_hidden: return the final hidden states ``[B, T, D]`` instead of logits.
 
     Returns:
@@ -229,8 +233,10 @@ class Transformer(nnx.Module):
       raise ValueError(f"positions shape {positions.shape} != tokens shape {(B, T)}")
     if mask.shape != (B, T, S):
       raise ValueError(f"mask shape {mask.shape} != (batch, queries, keys) = {(B, T, S)}")
-    if kv_cache is not None and cache_index is None:
-      raise ValueError("cache_index is required when kv_cache is given")
+    if kv_cache is not None and (cache_index is None) == (write_slots is None):
+      raise ValueError("give exactly one of cache_index / write_slots with kv_cache")
+    if write_slots is not None and write_slots.shape != (B, T):
+      raise ValueError(f"write_slots shape {write_slots.shape} != tokens shape {(B, T)}")
     dtype = cfg.jnp_dtype
     inv_freq = rope_inv_freq(cfg)
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
@@ -249,8 +255,13 @@ class Transformer(nnx.Module):
       k = apply_rope(k, positions, inv_freq)
       if cache_kv is not None:
         ck, cv = cache_kv
-        ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
-        cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
+        if write_slots is None:
+          ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
+          cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
+        else:
+          rows = jnp.arange(B)[:, None]
+          ck = ck.at[rows, write_slots].set(k.astype(ck.dtype))
+          cv = cv.at[rows, write_slots].set(v.astype(cv.dtype))
         keys, values, cache_kv = ck, cv, (ck, cv)
       else:
         keys, values = k, v
