@@ -216,6 +216,16 @@ def chat_to_messages(row: Mapping[str, Any]) -> dict[str, Any]:
   return dict(row)
 
 
+def prompt_and_reference(example: Mapping[str, Any]) -> tuple[list[dict[str, str]], Any]:
+  """Split a converted example for generation: ``(messages before the last assistant turn,
+  reference)``; the reference is the example's ``"reference"`` field, else that assistant
+  turn's content (e.g. a GSM8K worked solution), else None."""
+  msgs = list(example["messages"])
+  if msgs and msgs[-1]["role"] == "assistant":
+    return msgs[:-1], example.get("reference", msgs[-1]["content"])
+  return msgs, example.get("reference")
+
+
 # name -> (converter, {split: default file under data_dir()})
 DATASETS: dict[str, tuple[Callable[[Mapping[str, Any]], dict[str, Any]], dict[str, str]]] = {
     "gsm8k": (gsm8k_to_messages, {"train": "gsm8k/train.jsonl", "test": "gsm8k/test.jsonl"}),

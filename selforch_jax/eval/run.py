@@ -15,10 +15,7 @@ import numpy as np
 
 from selforch_jax import config_lib
 
-# dataset -> (file under data/, question field, reference field)
-DATASETS = {
-    "gsm8k": ("gsm8k/test.jsonl", "question", "answer"),
-}
+DATASETS = ("gsm8k",)  # datasets of data.sources with a test split and checkable answers
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -67,25 +64,29 @@ def evaluate_model(model, tok, rows, ec) -> dict:
   from selforch_jax.eval.answers import extract_answer, is_correct
   from selforch_jax.eval.stats import bootstrap_ci
 
+  from selforch_jax.data.sources import prompt_and_reference
+
   gen = Generator(model)
-  _, qf, rf = DATASETS[ec.dataset]
   records, decode_s, new_tokens = [], 0.0, 0
   for s in range(0, len(rows), ec.batch_size):
     batch = rows[s:s + ec.batch_size]
-    prompts = []
+    prompts, refs, questions = [], [], []
     for r in batch:
-      msgs = [{"role": "user", "content": r[qf] + ec.prompt_suffix}]
+      msgs, ref = prompt_and_reference(r)
+      msgs[-1] = dict(msgs[-1], content=msgs[-1]["content"] + ec.prompt_suffix)
       if ec.system_prompt:
         msgs.insert(0, {"role": "system", "content": ec.system_prompt})
       prompts.append(tok.encode_chat(msgs, add_generation_prompt=True))
+      refs.append(ref)
+      questions.append(msgs[-1]["content"])
     results, stats = gen.generate(prompts, max_new_tokens=ec.max_new_tokens, stop_ids=tok.stop_ids,
                                   pad_id=tok.pad_id)
     decode_s += stats.decode_s
     new_tokens += stats.new_tokens
-    for r, res in zip(batch, results):
+    for q, ref, res in zip(questions, refs, results):
       text = tok.decode(res.token_ids, skip_special_tokens=True)
-      records.append({"question": r[qf], "reference": r[rf], "output": text,
-                      "extracted": extract_answer(text), "correct": bool(is_correct(text, r[rf])),
+      records.append({"question": q, "reference": ref, "output": text,
+                      "extracted": extract_answer(text), "correct": bool(is_correct(text, ref)),
                       "finish_reason": res.finish_reason})
     print(f"  {len(records)}/{len(rows)} done", file=sys.stderr)
   correct = np.array([x["correct"] for x in records], np.float64)
@@ -97,14 +98,13 @@ def evaluate_model(model, tok, rows, ec) -> dict:
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Evaluate base (and fine-tuned) models; writes ``eval_results.json`` and answers JSONL."""
-  from selforch_jax.data.sources import data_dir
+  from selforch_jax.data.sources import default_path, load_examples
   from selforch_jax.eval.stats import format_ci, paired_bootstrap_diff
 
   validate(config)
   ec = config.eval
-  rel = DATASETS[ec.dataset][0]
-  path = os.path.join(data_dir(), rel)
-  rows = [json.loads(l) for l in open(path, encoding="utf-8") if l.strip()][ec.offset:ec.offset + ec.n]
+  rel = os.path.relpath(default_path(ec.dataset, "test"))
+  rows = load_examples(ec.dataset, split="test", max_examples=ec.offset + ec.n)[ec.offset:]
   os.makedirs(workdir, exist_ok=True)
   models = [("base", lambda: config_lib.load_model(config.model)[1:])]
   if config.finetuned:
