@@ -59,12 +59,14 @@ def model_defaults() -> ml_collections.ConfigDict:
     lora_rank / lora_alpha / lora_targets: LoRA adapters (rank 0 = none; targets are
       comma-separated projection names).
     remat: rematerialise layers in the backward pass.
+    tags: add the orchestration-language tags (``selforch_jax.lang``) to the tokenizer and
+      model (new embedding rows = mean of the old ones), with ``num_registers`` TIP registers.
   """
   from selforch_jax.models.config import LORA_TARGETS
   return ml_collections.ConfigDict(dict(
       preset="smollm2_135m", weights="smollm2_gguf", param_dtype="float32", dtype="float32",
       seed=0, tokenizer="", lora_rank=0, lora_alpha=16.0, lora_targets=",".join(LORA_TARGETS),
-      remat=False))
+      remat=False, tags=False, num_registers=8))
 
 
 def load_tokenizer(spec: str):
@@ -146,8 +148,8 @@ def load_model(mc: ml_collections.ConfigDict):
   if w == "random":
     cfg: ModelConfig = get_preset(mc.preset, param_dtype=mc.param_dtype, dtype=mc.dtype,
                                   remat=remat)
-    return cfg, init_model(cfg, mc.seed), tok
-  if w == "smollm2_gguf" or w.endswith(".gguf"):
+    model = init_model(cfg, mc.seed)
+  elif w == "smollm2_gguf" or w.endswith(".gguf"):
     from selforch_jax.checkpoints.assets import smollm2_gguf_path
     from selforch_jax.checkpoints.gguf_import import load_gguf
     path = smollm2_gguf_path() if w == "smollm2_gguf" else w
@@ -158,6 +160,12 @@ def load_model(mc: ml_collections.ConfigDict):
     cfg, model = import_hf(w, param_dtype=mc.param_dtype, dtype=mc.dtype)
     if tok is None and os.path.exists(os.path.join(w, "tokenizer.json")):
       tok = load_tokenizer(w)
-  if remat:
+  if remat and not cfg.remat:
     model.cfg = cfg = cfg.replace(remat=True)
+  if mc.get("tags", False):
+    from selforch_jax.lang.tags import add_tags
+    if tok is None:
+      raise ConfigError("model.tags needs a tokenizer (model.tokenizer or GGUF/HF weights)")
+    add_tags(tok, model, int(mc.num_registers))
+    cfg = model.cfg
   return cfg, model, tok
