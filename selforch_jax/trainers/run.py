@@ -178,6 +178,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   pid, nproc = jax.process_index(), jax.process_count()
   last = {}
   steps = config.train.steps
+  def run_eval():
+    return trainer.eval_loss(local_rows(b, pid, nproc)
+                             for b in itertools.islice(iter(eval_ds), config.train.eval_batches))
+
+  if eval_ds is not None and start == 0:  # the starting model's eval loss, for comparison
+    writer.write(0, run_eval())
   bar = tqdm(total=steps, initial=start, desc="train", unit="step", file=sys.stderr,
              disable=not is_main)
   try:
@@ -204,8 +210,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
       if trainer.step % config.train.log_every == 0 or trainer.step == steps:
         writer.write(trainer.step, m)
       if eval_ds is not None and trainer.step % config.train.eval_every == 0:
-        ev = trainer.eval_loss(local_rows(b, pid, nproc)
-                               for b in itertools.islice(iter(eval_ds), config.train.eval_batches))
+        ev = run_eval()
         writer.write(trainer.step, ev)
         last.update(ev)
       bar.update(1)
