@@ -1,0 +1,180 @@
+r"""Cost of one engine step as a function of the number of query tokens T (DESIGN.md §5, §7).
+
+Run (from the repository root)::
+
+  python bench/engine_step.py --out=out/bench                  # real SmolLM2 on CPU, ~1-2 min
+  python bench/engine_step.py --out=/tmp/b --smoke             # tiny random model (the test)
+
+What is measured: an :class:`selforch_jax.runtime.engine.Engine` over a paged pool of
+``--num_pages x --page_size`` slots holds ``--context`` live tokens (one prefilled sequence).
+For each T in ``--T`` (default 1, 2, 4, 8, 16, 32), T query tokens that see the whole context and
+each other causally run in one engine step (:meth:`Engine.step`: host arrays in, K/V written to T
+own slots, logits ``[T, V]`` back and ready), ``--repeats`` times, every T against the same
+context (the dense reference attention reads all slots whatever the occupancy). The first step
+per T is excluded (compile); the repeats go round-robin over the T values in a shuffled order, so
+load from other processes affects every T alike.
+Reported per T: median and min wall ms of the step, ms including the host bookkeeping
+(:meth:`Engine.run_step`: slot allocation + the host mask build), the cost relative to T = 1, and
+query tokens per second. A step of this model reads every weight once, so on a CPU several tokens
+per step cost little more than one: ``relative_to_T1[T] / T`` is what parallel decoding pays
+per token.
+
+Writes ``<out>/engine_step.json`` and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a plain script from anywhere
+  sys.path.insert(0, REPO_ROOT)
+
+import jax  # noqa: E402
+
+from selforch_jax.runtime.engine import Engine  # noqa: E402
+from selforch_jax.runtime.mask import step_mask  # noqa: E402
+
+ONE_SEGMENT = (np.ones((1, 1), bool), np.zeros(1, bool))
+
+
+def _load(smoke: bool, seed: int):
+  if smoke:
+    from selforch_jax.models.config import get_preset
+    from selforch_jax.models.transformer import init_model
+    return init_model(get_preset("tiny_llama"), seed=seed), "tiny_llama (random)"
+  from selforch_jax.checkpoints.assets import smollm2_gguf_path
+  from selforch_jax.checkpoints.gguf_import import load_gguf
+  _, model, _ = load_gguf(smollm2_gguf_path())
+  return model, "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to float32)"
+
+
+def prepare(engine: Engine, T: int, owner: int, rng: np.random.Generator) -> dict:
+  """Inputs of a step of T queries that see the context (owner 0) and each other causally.
+
+  The T slots are reserved for ``owner`` and stay allocated while the curve is measured (each
+  T writes its own slots; every step's mask shows only the context and its own queries)."""
+  pool = engine.pool
+  ctx = int(np.count_nonzero(pool.alive & (pool.owner == 0)))
+  positions = ctx + np.arange(T)
+  orders = engine.next_order + np.arange(T)
+  slots = pool.allocate(owner, T)
+  pool.write(slots, positions, np.full(T, owner), orders)
+  visible = np.zeros((owner + 1, owner + 1), bool)
+  visible[owner, [0, owner]] = True
+  mask = step_mask(pool, np.full(T, owner), orders, visible, np.zeros(owner + 1, bool))
+  assert mask.sum() == ctx * T + T * (T + 1) // 2
+  return dict(tokens=rng.integers(0, engine.cfg.vocab_size, T), positions=positions,
+              slots=slots, mask=mask)
+
+
+def timed_step(engine: Engine, x: dict) -> float:
+  """Seconds of one blocked engine step (host arrays in, logits ready)."""
+  t0 = time.perf_counter()
+  jax.block_until_ready(engine.step(x["tokens"], x["positions"], x["slots"], x["mask"]))
+  return time.perf_counter() - t0
+
+
+def run_step_ms(engine: Engine, T: int, repeats: int, rng: np.random.Generator) -> float:
+  """Median ms of the scheduler-facing call (allocate + host mask + step), slots released."""
+  ctx = int(engine.pool.live_tokens)
+  tokens = rng.integers(0, engine.cfg.vocab_size, T)
+  out = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    lg, _ = engine.run_step(tokens, ctx + np.arange(T), np.zeros(T), 1, *ONE_SEGMENT)
+    jax.block_until_ready(lg)
+    out.append(time.perf_counter() - t0)
+    engine.pool.rollback(1, T)
+  return 1e3 * statistics.median(out)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", required=True, help="directory for engine_step.json")
+  p.add_argument("--smoke", action="store_true", help="tiny random model (fast; for tests)")
+  p.add_argument("--T", default="1,2,4,8,16,32", help="query tokens per step, comma-separated")
+  p.add_argument("--context", type=int, default=None,
+                 help="live tokens in the pool (default 256; smoke 32)")
+  p.add_argument("--num_pages", type=int, default=None, help="default 32 (smoke 12)")
+  p.add_argument("--page_size", type=int, default=16)
+  p.add_argument("--repeats", type=int, default=None, help="default 20 (smoke 3)")
+  p.add_argument("--seed", type=int, default=0)
+  a = p.parse_args(argv)
+  context = a.context if a.context is not None else (32 if a.smoke else 256)
+  num_pages = a.num_pages if a.num_pages is not None else (12 if a.smoke else 32)
+  repeats = a.repeats if a.repeats is not None else (3 if a.smoke else 20)
+  Ts = [int(t) for t in a.T.split(",") if t]
+  if not Ts or min(Ts) < 1:
+    p.error("--T needs positive integers")
+  pages = -(-context // a.page_size) + sum(-(-T // a.page_size) for T in Ts)
+  if pages > num_pages:
+    p.error(f"the context ({context}) and one slot range per T need {pages} pages of "
+            f"{a.page_size}; --num_pages is {num_pages}")
+
+  t_start = time.perf_counter()
+  model, model_name = _load(a.smoke, a.seed)
+  load_s = time.perf_counter() - t_start
+  engine = Engine(model, num_pages=num_pages, page_size=a.page_size)
+  rng = np.random.default_rng(a.seed)
+  ctx_tokens = rng.integers(0, engine.cfg.vocab_size, context)
+  t0 = time.perf_counter()
+  lg, _ = engine.run_step(ctx_tokens, np.arange(context), np.zeros(context), 0, *ONE_SEGMENT)
+  jax.block_until_ready(lg)
+  prefill_s = time.perf_counter() - t0
+
+  # 1) the curve: all T prepared and compiled first, then measured round-robin in a shuffled
+  #    order per repeat, so that load from other processes hits every T alike
+  inputs = {T: prepare(engine, T, owner=2 + i, rng=rng) for i, T in enumerate(Ts)}
+  compile_s = {T: timed_step(engine, inputs[T]) for T in Ts}
+  times = {T: [] for T in Ts}
+  for _ in range(repeats):
+    for T in rng.permutation(Ts):
+      times[int(T)].append(timed_step(engine, inputs[int(T)]))
+  for i, T in enumerate(Ts):
+    engine.pool.free_owner(2 + i)
+  # 2) the same steps through run_step (bookkeeping included), the pool back to the context
+  full = {T: run_step_ms(engine, T, max(3, repeats // 4), rng) for T in Ts}
+  per_T = {str(T): dict(median_ms=1e3 * statistics.median(times[T]), min_ms=1e3 * min(times[T]),
+                        run_step_median_ms=full[T], compile_s=compile_s[T]) for T in Ts}
+  base = per_T[str(Ts[0])]["median_ms"]
+  rel = {k: v["median_ms"] / base for k, v in per_T.items()}
+  out = {
+      "config": dict(model=model_name, dtype=engine.cfg.dtype, num_pages=num_pages,
+                     page_size=a.page_size, slots=engine.num_slots, context_tokens=context,
+                     T=Ts, repeats=repeats, seed=a.seed, smoke=a.smoke),
+      "machine": dict(platform=platform.platform(), cpu_count=os.cpu_count(),
+                      jax=jax.__version__, backend=jax.default_backend(),
+                      device=str(jax.devices()[0])),
+      "ms": {k: v["median_ms"] for k, v in per_T.items()},
+      "min_ms": {k: v["min_ms"] for k, v in per_T.items()},
+      "run_step_ms": {k: v["run_step_median_ms"] for k, v in per_T.items()},
+      "relative_to_T1": rel,
+      "relative_per_token": {k: rel[k] / int(k) for k in rel},
+      "query_tokens_per_s": {k: int(k) / (v["median_ms"] / 1e3) for k, v in per_T.items()},
+      "compile_s": {k: v["compile_s"] for k, v in per_T.items()},
+      "load_s": load_s,
+      "context_prefill_s_incl_compile": prefill_s,
+      "live_kv": engine.pool.stats(),
+      "wall_s": time.perf_counter() - t_start,
+  }
+  if Ts[0] != 1:
+    out["note"] = f"relative_to_T1 is relative to the smallest T measured ({Ts[0]})"
+  os.makedirs(a.out, exist_ok=True)
+  with open(os.path.join(a.out, "engine_step.json"), "w") as f:
+    json.dump(out, f, indent=2)
+  print(json.dumps(out, indent=2))
+  return out
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,212 @@
+"""The engine: one model, one paged KV pool, one jitted step (DESIGN.md §2.4).
+
+The device holds a :class:`~selforch_jax.models.transformer.KVCache` with ``B = 1`` and
+``S = num_pages * page_size`` slots: the paged pool seen as one flat row (slot =
+``page * page_size + offset``). The host holds the pool's bookkeeping
+(:class:`~selforch_jax.runtime.kv_pool.KVPool`). One jitted function runs any set of T
+query tokens against the pool::
+
+  step(tokens[T], positions[T], write_slots[T], mask[T, S]) -> logits[T, V]
+
+It writes the T new K/V into ``write_slots`` and attends over all S slots with ``mask``
+(the model's dense-mask jnp attention, the reference path; DESIGN.md §2.3). T is padded to
+a power of two (1, 2, 4, 8, ...), so a run compiles at most ``log2(T_max) + 1`` programs;
+padding queries write to out-of-range slots (XLA scatter drops out-of-bounds updates) and
+see nothing. The KV cache is donated, so the pool is updated in place. The jitted function
+lives at module level with the graphdef static: engines over models of the same structure and
+the same S share every compiled program.
+
+:meth:`Engine.run_step` is what schedulers use: it allocates slots per owner, records the
+queries' metadata, builds the mask with :func:`~selforch_jax.runtime.mask.step_mask` (the
+one rule, shared by every scheduler) and calls :meth:`Engine.step`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from flax import nnx
+
+from selforch_jax.models.transformer import KVCache, Transformer
+from selforch_jax.runtime.kv_pool import KVPool, PoolExhausted
+from selforch_jax.runtime.mask import step_mask
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _jitted_step(graphdef, state, cache, tokens, positions, write_slots, mask):
+  """The engine step (module level, so engines of the same model structure share compiles)."""
+  model = nnx.merge(graphdef, state)
+  logits, cache = model(tokens[None], positions[None], mask[None], cache,
+                        write_slots=write_slots[None])
+  return logits[0], cache
+
+
+def bucket_size(n: int) -> int:
+  """The padded query count of a step of ``n >= 1`` tokens: the next power of two."""
+  if n < 1:
+    raise ValueError(f"a step needs at least one query token, got {n}")
+  return 1 << (int(n) - 1).bit_length()
+
+
+class Engine:
+  """Model + paged KV pool + jitted step.
+
+  Args:
+    model: the NNX :class:`Transformer` (split once with ``nnx.split``; later changes to
+      ``model`` are not seen).
+    num_pages: pages in the pool.
+    page_size: tokens per page.
+
+  Attributes:
+    cfg: the model config. pool: the :class:`KVPool`. cache: the device :class:`KVCache`
+    (``k, v: [L, 1, S, Hkv, Dh]`` in ``cfg.dtype``). num_slots: ``S``.
+    num_steps / num_query_tokens: steps run and real (unpadded) query tokens processed.
+    buckets_used: the padded step sizes this engine has run (each compiled once per model
+    structure and S, shared by all engines).
+
+  Raises:
+    ValueError: non-positive ``num_pages`` or ``page_size``.
+  """
+
+  def __init__(self, model: Transformer, num_pages: int, page_size: int):
+    self.cfg = model.cfg
+    self.graphdef, self.state = nnx.split(model)
+    self.pool = KVPool.for_model_config(self.cfg, num_pages, page_size)
+    self.num_slots = self.pool.num_slots
+    self.cache = KVCache.zeros(self.cfg, 1, self.num_slots)
+    self.next_order = 0
+    self.num_steps = 0
+    self.num_query_tokens = 0
+    self.buckets_used: set[int] = set()
+
+  def step(self, tokens, positions, write_slots, mask) -> jax.Array:
+    """Run T query tokens against the pool, writing their K/V into ``write_slots``.
+
+    Low level: the pool's bookkeeping is not touched (:meth:`run_step` does that).
+
+    Args:
+      tokens: int ``[T]`` token ids in ``[0, V)``.
+      positions: int ``[T]`` RoPE position ids.
+      write_slots: int ``[T]`` distinct slots in ``[0, S)``.
+      mask: bool ``[T, S]``: query t may see slot s (after this step's writes).
+
+    Returns:
+      float32 ``[T, V]`` logits (a device array).
+
+    Raises:
+      ValueError: empty step, mismatched shapes, out-of-range or repeated slots, or token
+        ids outside the vocabulary.
+    """
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    positions = np.asarray(positions, np.int32).reshape(-1)
+    write_slots = np.asarray(write_slots, np.int32).reshape(-1)
+    mask = np.asarray(mask, bool)
+    T, S = tokens.shape[0], self.num_slots
+    if T == 0:
+      raise ValueError("a step needs at least one query token")
+    if positions.shape != (T,) or write_slots.shape != (T,) or mask.shape != (T, S):
+      raise ValueError(f"step: tokens [{T}], positions {positions.shape}, write_slots "
+                       f"{write_slots.shape}, mask {mask.shape}; expected [T], [T], [T, {S}]")
+    if write_slots.min() < 0 or write_slots.max() >= S or np.unique(write_slots).size != T:
+      raise ValueError(f"step: write_slots must be distinct and in [0, {S})")
+    if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
+      raise ValueError(f"step: token ids must be in [0, {self.cfg.vocab_size})")
+    Tb = bucket_size(T)
+    if Tb != T:
+      pad = Tb - T
+      tokens = np.concatenate([tokens, np.zeros(pad, np.int32)])
+      positions = np.concatenate([positions, np.zeros(pad, np.int32)])
+      # out-of-range slots: the scatter drops these writes (mode FILL_OR_DROP)
+      write_slots = np.concatenate([write_slots, S + np.arange(pad, dtype=np.int32)])
+      mask = np.concatenate([mask, np.zeros((pad, S), bool)])
+    logits, self.cache = _jitted_step(self.graphdef, self.state, self.cache, tokens, positions,
+                                      write_slots, mask)
+    self.buckets_used.add(Tb)
+    self.num_steps += 1
+    self.num_query_tokens += T
+    return logits[:T] if Tb != T else logits
+
+  # --- what schedulers call ----------------------------------------------------------------
+  def allocate(self, owners) -> np.ndarray:
+    """Reserve one slot per query for its owner, atomically.
+
+    Args:
+      owners: int ``[T]`` owner (sequence / thread) of each query.
+
+    Returns:
+      int32 ``[T]`` slots, in query order (each owner's queries get its next slots in order).
+
+    Raises:
+      PoolExhausted: the owners together need more pages than are free; nothing changed.
+    """
+    owners = np.asarray(owners, np.int64).reshape(-1)
+    uniq, first = np.unique(owners, return_index=True)
+    uniq = uniq[np.argsort(first)]
+    counts = {int(o): int(np.count_nonzero(owners == o)) for o in uniq}
+    need = sum(self.pool.pages_needed(o, n) for o, n in counts.items())
+    if need > self.pool.num_free_pages:
+      who = int(uniq[0]) if len(uniq) == 1 else tuple(int(o) for o in uniq)
+      raise PoolExhausted(who, int(owners.size), need, self.pool.num_free_pages,
+                          self.pool.live_tokens, self.pool.num_pages, self.pool.page_size)
+    slots = np.empty(owners.size, np.int32)
+    for o, n in counts.items():
+      slots[owners == o] = self.pool.allocate(o, n)
+    return slots
+
+  def run_step(self, tokens, positions, segments, owners, visible, bidir, *,
+               orders=None, key_keep=None) -> tuple[jax.Array, np.ndarray]:
+    """Allocate, record, mask and run one step (the scheduler-facing step).
+
+    Args:
+      tokens, positions: int ``[T]``.
+      segments: int ``[T]`` segment id of each query (``< G``).
+      owners: int ``[T]`` or an int: page-table owner of each query's slot.
+      visible: bool ``[G, G]``; bidir: bool ``[G]`` (DESIGN.md §2; see
+        :class:`~selforch_jax.runtime.mask.SegmentTable`).
+      orders: optional int ``[T]`` decode indices (causal order inside a segment); default
+        the engine's running counter, in query order.
+      key_keep: optional bool ``[S]``: keys hidden for this step only.
+
+    Returns:
+      ``(logits [T, V] float32 device array, slots int32 [T])``.
+
+    Raises:
+      PoolExhausted: not enough free pages (nothing changed; evict and retry).
+      ValueError: malformed inputs (see :meth:`step`, :func:`step_mask`).
+    """
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    T = tokens.shape[0]
+    if T == 0:
+      raise ValueError("a step needs at least one query token")
+    owners = np.broadcast_to(np.asarray(owners, np.int64), (T,))
+    segments = np.asarray(segments, np.int64).reshape(-1)
+    if orders is None:
+      orders = self.next_order + np.arange(T, dtype=np.int64)
+    orders = np.asarray(orders, np.int64).reshape(-1)
+    if segments.shape != (T,) or orders.shape != (T,):
+      raise ValueError(f"run_step: segments {segments.shape} / orders {orders.shape} != [{T}]")
+    slots = self.allocate(owners)
+    try:
+      self.pool.write(slots, positions, segments, orders)
+      mask = step_mask(self.pool, segments, orders, visible, bidir, key_keep)
+      logits = self.step(tokens, positions, slots, mask)
+    except Exception:
+      for o in np.unique(owners)[::-1]:
+        self.pool.rollback(int(o), int(np.count_nonzero(owners == o)))
+      raise
+    self.next_order = max(self.next_order, int(orders.max()) + 1)
+    return logits, slots
+
+  def reset(self) -> None:
+    """Forget every sequence: a fresh pool (device KV is left as is; no slot is alive)."""
+    self.pool = KVPool.for_model_config(self.cfg, self.pool.num_pages, self.pool.page_size)
+    self.next_order = 0
+
+  def stats(self) -> dict:
+    """Steps, tokens, buckets compiled and the pool's live-KV figures."""
+    return dict(num_steps=self.num_steps, num_query_tokens=self.num_query_tokens,
+                tokens_per_step=self.num_query_tokens / max(self.num_steps, 1),
+                buckets_used=sorted(self.buckets_used),
+                **self.pool.stats())

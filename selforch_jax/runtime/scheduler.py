@@ -1,0 +1,158 @@
+"""The scheduler interface: what each engine step runs, and what the pool does around it.
+
+A system (AR, PASTA, TIP, Planned Diffusion, PTD, Orthrus, SOL) is a :class:`Scheduler`;
+the decode loop is :func:`run`, shared by all of them (DESIGN.md §2.4; the JetStream
+``Engine`` API and vLLM's scheduler/worker split, reduced to two calls)::
+
+  while (plan := scheduler.next_step()) is not None:
+    result = execute(engine, plan)     # pool changes, then one jitted step
+    scheduler.on_step(plan, result)    # sample, commit, decide forks / evictions
+
+How the verbs map onto a :class:`StepPlan`:
+
+* **run**: ``tokens / positions / segments / owners`` (and ``orders``): the step's queries.
+* **fork**: a new owner (page table) and a new segment that sees its parent's segments
+  (:class:`~selforch_jax.runtime.mask.SegmentTable`); no KV is copied.
+* **join**: a segment that sees every joined segment (``visible`` rows).
+* **evict**: ``evict`` slots die before the step (pages with no live slot are reused);
+  ``free_owners`` release finished sequences / threads.
+* **verify**: ``scratch=True``: the step's K/V are written, attended to by the step itself,
+  and released right after (nothing is written back).
+* **commit / reject**: a draft step is a normal step; the next plan's ``rollback``
+  (``{owner: n}``) crops the rejected suffix before it runs.
+
+Pool exhaustion raises :class:`~selforch_jax.runtime.kv_pool.PoolExhausted`; a scheduler may
+catch it in :meth:`Scheduler.on_exhausted` and return a plan with evictions instead.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from selforch_jax.runtime.engine import Engine
+from selforch_jax.runtime.kv_pool import PoolExhausted
+
+MAX_EXHAUSTED_RETRIES = 64  # replacement plans tried for one step before PoolExhausted escapes
+
+
+@dataclasses.dataclass
+class StepPlan:
+  """One engine step and the pool changes before it.
+
+  Attributes:
+    tokens, positions: int ``[T]``.
+    segments: int ``[T]`` segment of each query (``< G``).
+    owners: int ``[T]`` (or one int) page-table owner of each query's slot.
+    visible: bool ``[G, G]`` segment visibility; bidir: bool ``[G]``.
+    orders: optional int ``[T]`` decode indices (default: the engine's counter).
+    evict: slots to kill before the step.
+    free_owners: owners whose pages are released before the step.
+    rollback: ``{owner: n}``: crop the newest n slots of each owner before the step.
+    scratch: release this step's slots right after it (verify without writing back).
+    key_keep: optional bool ``[S]`` keys hidden for this step only.
+    tag: anything the scheduler wants back in :meth:`Scheduler.on_step`.
+  """
+
+  tokens: Any
+  positions: Any
+  segments: Any
+  owners: Any
+  visible: Any
+  bidir: Any
+  orders: Any = None
+  evict: Any = ()
+  free_owners: tuple[int, ...] = ()
+  rollback: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  scratch: bool = False
+  key_keep: Any = None
+  tag: Any = None
+
+
+@dataclasses.dataclass
+class StepResult:
+  """What one step produced.
+
+  Attributes:
+    logits: float32 ``[T, V]`` device array (row t = next-token logits of query t).
+    slots: int32 ``[T]`` slots the queries were written to (released if ``scratch``).
+    released_pages: pages returned to the free list by this plan's evictions.
+  """
+
+  logits: jax.Array
+  slots: np.ndarray
+  released_pages: list[int]
+
+
+class Scheduler(abc.ABC):
+  """Decides every step of one decoding job (see the module docstring)."""
+
+  @abc.abstractmethod
+  def next_step(self) -> StepPlan | None:
+    """The next step to run, or None when the job is finished."""
+
+  @abc.abstractmethod
+  def on_step(self, plan: StepPlan, result: StepResult) -> None:
+    """Consume a step's logits: sample, accept/reject, plan forks and evictions."""
+
+  def on_exhausted(self, plan: StepPlan, error: PoolExhausted) -> StepPlan | None:
+    """The pool could not hold ``plan``'s step: return a replacement plan (e.g. the same step
+    with evictions), or None to re-raise ``error``. The default re-raises.
+
+    ``plan``'s own pool changes (free, rollback, evict) were already applied; the replacement's
+    are applied on top, then its step is tried; :func:`run` keeps asking until a step fits."""
+    return None
+
+
+def execute(engine: Engine, plan: StepPlan) -> StepResult:
+  """Apply ``plan``'s pool changes (free, rollback, evict, in that order), then run its step.
+
+  Raises:
+    PoolExhausted: the step's slots do not fit (the pool changes before it were applied).
+    ValueError: malformed plan (see :meth:`Engine.run_step`).
+  """
+  pool = engine.pool
+  for o in plan.free_owners:
+    pool.free_owner(int(o))
+  for o, n in plan.rollback.items():
+    pool.rollback(int(o), int(n))
+  released = pool.evict(plan.evict) if len(plan.evict) else []
+  logits, slots = engine.run_step(plan.tokens, plan.positions, plan.segments, plan.owners,
+                                  plan.visible, plan.bidir, orders=plan.orders,
+                                  key_keep=plan.key_keep)
+  if plan.scratch:
+    owners = np.broadcast_to(np.asarray(plan.owners, np.int64), slots.shape)
+    for o in np.unique(owners)[::-1]:
+      pool.rollback(int(o), int(np.count_nonzero(owners == o)))
+  return StepResult(logits=logits, slots=slots, released_pages=released)
+
+
+def run(engine: Engine, scheduler: Scheduler, max_steps: int | None = None) -> int:
+  """Drive ``scheduler`` on ``engine`` until it returns no plan; returns the steps run.
+
+  Raises:
+    PoolExhausted: the pool is full and :meth:`Scheduler.on_exhausted` offered no plan (it is
+      asked again after each replacement that still does not fit, up to
+      ``MAX_EXHAUSTED_RETRIES`` times).
+    RuntimeError: ``max_steps`` reached (a scheduler that never finishes).
+  """
+  steps = 0
+  while (plan := scheduler.next_step()) is not None:
+    if max_steps is not None and steps >= max_steps:
+      raise RuntimeError(f"scheduler did not finish within max_steps={max_steps}")
+    for attempt in range(MAX_EXHAUSTED_RETRIES + 1):
+      try:
+        result = execute(engine, plan)
+        break
+      except PoolExhausted as e:
+        replacement = scheduler.on_exhausted(plan, e)
+        if replacement is None or attempt == MAX_EXHAUSTED_RETRIES:
+          raise
+        plan = replacement
+    scheduler.on_step(plan, result)
+    steps += 1
+  return steps

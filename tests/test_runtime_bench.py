@@ -1,0 +1,33 @@
+"""Smoke test of bench/engine_step.py on a tiny random model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_bench():
+  path = os.path.join(REPO_ROOT, "bench", "engine_step.py")
+  spec = importlib.util.spec_from_file_location("bench_engine_step", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_engine_step_bench_smoke(tmp_path):
+  out = _load_bench().main([f"--out={tmp_path}", "--smoke", "--T=1,2,4", "--repeats=2"])
+  data = json.loads((tmp_path / "engine_step.json").read_text())
+  assert data == json.loads(json.dumps(out))
+  assert data["config"]["smoke"] and data["config"]["T"] == [1, 2, 4]
+  assert data["config"]["context_tokens"] == 32 and data["config"]["slots"] == 192
+  for key in ("ms", "min_ms", "run_step_ms", "relative_to_T1", "query_tokens_per_s", "compile_s"):
+    assert set(data[key]) == {"1", "2", "4"}, key
+    assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in data[key].values())
+  assert data["relative_to_T1"]["1"] == 1.0
+  assert data["relative_per_token"]["4"] == data["relative_to_T1"]["4"] / 4
+  # the pool is back to the context alone after every measurement
+  assert data["live_kv"]["live_tokens"] == 32 and data["live_kv"]["reserved_slots"] == 0
