@@ -98,6 +98,22 @@ def run_step_ms(engine: Engine, T: int, repeats: int, rng: np.random.Generator) 
   return 1e3 * statistics.median(out)
 
 
+def pasta_skip_ratios(seq_len: int = 2048) -> dict:
+  """Fraction of (q tile, kv tile) pairs the block-sparse segment attention skips for a
+  PASTA-shaped training mask with 8 threads (``kernels_pallas.segment_mask``), per block size,
+  for AR threads (causal chunks) and diffusion chunks (bidirectional)."""
+  from kernels_pallas.segment_attention import tile_skip_ratio
+  from kernels_pallas.segment_mask import pasta_mask_metadata
+  out = {"seq_len": seq_len}
+  for kind, bidir in (("ar_threads", False), ("diffusion_chunks", True)):
+    m = pasta_mask_metadata(seq_len, 8, bidir_chunks=bidir)
+    for blk in (128, 64):
+      out[f"{kind}_block{blk}"] = float(tile_skip_ratio(
+          m["segment"], m["segment"], m["order"], m["order"], m["alive"], m["visible"], m["bidir"],
+          block_q=blk, block_k=blk))
+  return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", required=True, help="directory for engine_step.json")
@@ -167,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
       "live_kv": engine.pool.stats(),
       "wall_s": time.perf_counter() - t_start,
   }
+  out["pasta_8_threads_tile_skip_ratio"] = pasta_skip_ratios()
   if Ts[0] != 1:
     out["note"] = f"relative_to_T1 is relative to the smallest T measured ({Ts[0]})"
   os.makedirs(a.out, exist_ok=True)
