@@ -2,7 +2,7 @@ r"""Greedy decode throughput of our JAX decoder vs transformers, llama.cpp and t
 
 Run (from the repository root)::
 
-  python bench/decode_throughput.py --out=out/bench                      # everything, ~5 min on 2 cores
+  python bench/decode_throughput.py --out=out/bench                      # everything, ~5-7 min on 2 cores
   python bench/decode_throughput.py --out=out/bench --skip_torch --skip_llamacpp
   python bench/decode_throughput.py --out=/tmp/b --model=tiny_llama --new_tokens=4 \
       --skip_torch --skip_llamacpp --bandwidth_mb=16                   # smoke test (random tiny model)
@@ -19,14 +19,17 @@ generated per prompt (stop tokens are not honoured, so every system does the sam
   ``--threads``; (a) ``generate(do_sample=False, max_new_tokens=N, min_new_tokens=N)`` and
   (b) a hand-written KV-cached greedy loop under ``torch.inference_mode``.
 * ``llamacpp``: ``llama_cpp.Llama`` on the same GGUF (its own Q4_1 kernels), ``n_threads`` =
-  ``--threads``, greedy (argmax of the last logits) in a hand-written eval loop.
+  ``--threads``, greedy (``Llama.generate(top_k=1, temp=0, repeat_penalty=1)``).
 * ``roofline``: the copy bandwidth measured here divided by the bytes of all parameters (a
   decode step at batch 1 reads every weight once, the tied embedding included as the LM head).
 * ``forward_cost``: one jitted forward of T = 1, 2, 4, ... query tokens against a KV cache of
   fixed length, relative to T = 1 (what parallel decoding pays for several tokens per step).
 
-Writes ``<out>/decode_throughput.json`` and prints it. All times are medians over repeats.
-See ``bench/README.md`` for the meaning of every field.
+Every system is loaded and warmed up first; then ``--repeats`` timed rounds each run every prompt
+on every system in turn (transformers after the first round only within ``--torch_budget_s``),
+so that load from other processes on a shared machine hits all systems alike. Reported speeds
+are medians over the runs (``*_best`` is the fastest run). Writes ``<out>/decode_throughput.json``
+and prints it. See ``bench/README.md`` for the meaning of every field.
 """
 
 from __future__ import annotations
@@ -81,6 +84,14 @@ def _until_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
       break
     out.append(int(t))
   return out
+
+
+def _loadavg() -> list[float] | None:
+  """1/5/15-minute load averages (other processes compete for the same cores)."""
+  try:
+    return [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    return None
 
 
 def machine_info() -> dict[str, Any]:
@@ -193,188 +204,216 @@ def param_bytes(model) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# ours
-def bench_ours(model, prompt_ids, new_tokens: int, repeats: int) -> dict[str, Any]:
-  from selforch_jax.decoding.generate import Generator
-  gen = Generator(model)
-  compile_s, tps, prefill, e2e, tokens = 0.0, [], [], [], []
-  for ids in prompt_ids:
-    res, st = gen.generate([ids], max_new_tokens=new_tokens, stop_ids=())  # warm-up / compile
-    compile_s += st.compile_s
-    tokens.append([int(t) for t in res[0].token_ids])
-    for _ in range(repeats):
-      res, st = gen.generate([ids], max_new_tokens=new_tokens, stop_ids=())
-      assert st.compile_s == 0.0
-      tps.append(st.decode_tokens_per_s)
-      prefill.append(st.prefill_ms)
-      e2e.append(new_tokens / (st.prefill_ms / 1000 + st.decode_s))
+# the systems; each one is loaded and warmed up first, then timed in interleaved rounds
+def _summary(tps: list[float], prefill_ms: list[float]) -> dict[str, Any]:
   return {"decode_tokens_per_s": _r(_median(tps), 2),
+          "decode_tokens_per_s_best": _r(max(tps), 2) if tps else None,
           "decode_tokens_per_s_runs": [_r(x, 2) for x in tps],
-          "prefill_ms": _r(_median(prefill), 2),
-          "end_to_end_tokens_per_s": _r(_median(e2e), 2),
-          "compile_s_total": _r(compile_s, 2),
-          "prompt_tokens": [len(p) for p in prompt_ids],
-          "_tokens": tokens}
+          "prefill_ms": _r(_median(prefill_ms), 2)}
 
 
-def bench_forward_cost(model, Ts: Sequence[int], cache_len: int, repeats: int) -> dict[str, Any]:
-  """Median wall time of one jitted forward of T query tokens against a KV cache.
+class OursRunner:
+  """Our :class:`Generator` at batch 1 (stop tokens ignored: exactly N tokens per prompt)."""
 
-  The cache has ``cache_len`` slots; the T tokens are written at slot ``cache_len // 2`` and
-  every query sees the slots before it (causal), so all T cost the same cache length.
-  """
-  from selforch_jax.models.transformer import KVCache
-  graphdef, state = nnx.split(model)
-  cfg = model.cfg
+  def __init__(self, model, prompt_ids, new_tokens: int):
+    from selforch_jax.decoding.generate import Generator
+    self.gen, self.prompt_ids, self.n = Generator(model), prompt_ids, new_tokens
+    self.compile_s, self.tokens = 0.0, []
+    self.tps, self.prefill, self.e2e = [], [], []
+    for ids in prompt_ids:  # warm-up: compiles each prompt-length bucket once
+      res, st = self.gen.generate([ids], max_new_tokens=new_tokens, stop_ids=())
+      self.compile_s += st.compile_s
+      self.tokens.append([int(t) for t in res[0].token_ids])
 
-  def fwd(state, tokens, positions, mask, cache, cache_index):
-    m = nnx.merge(graphdef, state)
-    logits, cache = m(tokens, positions, mask, cache, cache_index)
-    return logits, cache
+  def run(self, i: int) -> None:
+    res, st = self.gen.generate([self.prompt_ids[i]], max_new_tokens=self.n, stop_ids=())
+    assert st.compile_s == 0.0, "timed run recompiled"
+    self.tps.append(st.decode_tokens_per_s)  # (N - 1) tokens / decode seconds
+    self.prefill.append(st.prefill_ms)
+    self.e2e.append(self.n / (st.prefill_ms / 1000 + st.decode_s))
 
-  jfwd = jax.jit(fwd, donate_argnums=(4,))
-  start = cache_len // 2
-  out = {"cache_len": cache_len, "cache_index": start, "repeats": repeats, "ms": {}}
-  for T in Ts:
-    if start + T > cache_len:
-      continue
-    tokens = jnp.ones((1, T), jnp.int32)
-    positions = (start + jnp.arange(T, dtype=jnp.int32))[None]
-    mask = (jnp.arange(cache_len)[None, :] <= (start + jnp.arange(T))[:, None])[None]
-    cache = KVCache.zeros(cfg, 1, cache_len)
-    ci = jnp.int32(start)
-    logits, cache = jfwd(state, tokens, positions, mask, cache, ci)  # compile + warm-up
-    jax.block_until_ready(logits)
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      logits, cache = jfwd(state, tokens, positions, mask, cache, ci)
-      jax.block_until_ready((logits, cache))
-      times.append(time.perf_counter() - t0)
-    out["ms"][str(T)] = _r(1000 * _median(times), 3)
-    del cache
-  base = out["ms"].get("1")
-  out["relative_to_T1"] = {k: _r(v / base, 3) for k, v in out["ms"].items()} if base else {}
-  out["tokens_per_s_at_T"] = {k: _r(int(k) / (v / 1000), 1) for k, v in out["ms"].items()}
-  return out
+  def summary(self) -> dict[str, Any]:
+    out = _summary(self.tps, self.prefill)
+    out["end_to_end_tokens_per_s"] = _r(_median(self.e2e), 2)
+    out["compile_s_total"] = _r(self.compile_s, 2)
+    return out
 
 
-# --------------------------------------------------------------------------------------------
-# transformers
-def bench_transformers(gguf_path: str, prompt_ids, new_tokens: int, threads: int,
-                       repeats: int) -> dict[str, Any]:
-  import torch
-  import transformers
-  from transformers import AutoModelForCausalLM
+class TorchRunner:
+  """transformers on the GGUF dequantised to float32: generate() and a hand-written loop."""
 
-  torch.set_num_threads(threads)
-  t0 = time.perf_counter()
-  model = AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), torch_dtype=torch.float32)
-  model.eval()
-  load_s = time.perf_counter() - t0
-  nparam_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-  eos = model.generation_config.eos_token_id
-  pad = model.generation_config.pad_token_id
-  pad = pad if pad is not None else (eos if isinstance(eos, int) else (eos or [0])[0])
+  def __init__(self, gguf_path: str, prompt_ids, new_tokens: int, threads: int):
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(threads)
+    self.torch, self.prompt_ids, self.n = torch, prompt_ids, new_tokens
+    t0 = time.perf_counter()
+    self.model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+        torch_dtype=torch.float32)
+    self.model.eval()
+    self.info = {"transformers": transformers.__version__, "torch": torch.__version__,
+                 "threads": threads, "load_s": _r(time.perf_counter() - t0, 2),
+                 "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
+                 "param_bytes": int(sum(p.numel() * p.element_size()
+                                        for p in self.model.parameters()))}
+    eos = self.model.generation_config.eos_token_id
+    pad = self.model.generation_config.pad_token_id
+    self.pad = pad if pad is not None else (eos if isinstance(eos, int) else (eos or [0])[0])
+    self.loop_tps, self.loop_prefill, self.gen_e2e, self.gen_dec = [], [], [], []
+    self.loop1_tps, self.loop1_prefill = [], []
+    self.seconds = 0.0  # time spent in timed runs (the --torch_budget_s check)
+    self.loop_tokens: dict[int, list[int]] = {}
+    self.gen_tokens: dict[int, list[int]] = {}
+    self._loop(prompt_ids[0], min(4, new_tokens))  # warm-up
+    self._generate(prompt_ids[0], min(4, new_tokens))
 
-  def cached_loop(ids, n):
+  def _loop(self, ids, n):
+    torch = self.torch
     with torch.inference_mode():
       x = torch.tensor([ids], dtype=torch.long)
       t0 = time.perf_counter()
-      out = model(input_ids=x, use_cache=True)
+      out = self.model(input_ids=x, use_cache=True)
       past = out.past_key_values
       tok = int(out.logits[0, -1].argmax())
       t1 = time.perf_counter()
       toks = [tok]
       for _ in range(n - 1):
-        out = model(input_ids=torch.tensor([[tok]], dtype=torch.long), past_key_values=past,
-                    use_cache=True)
+        out = self.model(input_ids=torch.tensor([[tok]], dtype=torch.long), past_key_values=past,
+                         use_cache=True)
         past = out.past_key_values
         tok = int(out.logits[0, -1].argmax())
         toks.append(tok)
       t2 = time.perf_counter()
     return toks, t1 - t0, t2 - t1
 
-  def gen(ids, n):
+  def _generate(self, ids, n):
+    torch = self.torch
     with torch.inference_mode():
       x = torch.tensor([ids], dtype=torch.long)
       t0 = time.perf_counter()
-      out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                           max_new_tokens=n, min_new_tokens=n, pad_token_id=pad)
+      out = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                max_new_tokens=n, min_new_tokens=n, pad_token_id=self.pad)
       t = time.perf_counter() - t0
-    return out[0, x.shape[1]:].tolist(), t
+    return [int(v) for v in out[0, x.shape[1]:].tolist()], t
 
-  # warm-up (first calls allocate and pick kernels)
-  cached_loop(prompt_ids[0], min(4, new_tokens))
-  gen(prompt_ids[0], min(4, new_tokens))
-
-  loop_tps, loop_prefill, loop_tokens, gen_e2e, gen_dec, gen_tokens = [], [], [], [], [], []
-  for ids in prompt_ids:
-    for r in range(repeats):
-      toks, pre_s, dec_s = cached_loop(ids, new_tokens)
-      loop_tps.append((new_tokens - 1) / dec_s)
-      loop_prefill.append(1000 * pre_s)
-      if r == 0:
-        loop_tokens.append(toks)
-      toks_g, t = gen(ids, new_tokens)
-      gen_e2e.append(new_tokens / t)
-      # decode part: subtract the prefill measured by the cached loop on the same prompt
-      gen_dec.append((new_tokens - 1) / max(t - pre_s, 1e-9))
-      if r == 0:
-        gen_tokens.append([int(v) for v in toks_g])
-  return {"transformers": transformers.__version__, "torch": torch.__version__,
-          "threads": threads, "load_s": _r(load_s, 2), "param_bytes": int(nparam_bytes),
-          "cached_loop": {"decode_tokens_per_s": _r(_median(loop_tps), 2),
-                          "decode_tokens_per_s_runs": [_r(x, 2) for x in loop_tps],
-                          "prefill_ms": _r(_median(loop_prefill), 2)},
-          "generate": {"decode_tokens_per_s": _r(_median(gen_dec), 2),
-                       "end_to_end_tokens_per_s": _r(_median(gen_e2e), 2),
-                       "end_to_end_tokens_per_s_runs": [_r(x, 2) for x in gen_e2e]},
-          "_loop_tokens": loop_tokens, "_gen_tokens": gen_tokens}
-
-
-# --------------------------------------------------------------------------------------------
-# llama.cpp
-def bench_llamacpp(gguf_path: str, prompt_ids, new_tokens: int, threads: int,
-                   repeats: int) -> dict[str, Any]:
-  try:
-    import llama_cpp
-  except Exception as e:  # ImportError, or a broken shared library
-    return {"status": f"not installed ({type(e).__name__}: {e})"}
-  n_ctx = max(len(p) for p in prompt_ids) + new_tokens + 8
-  llm = llama_cpp.Llama(model_path=gguf_path, n_threads=threads, n_threads_batch=threads,
-                        n_ctx=max(n_ctx, 256), n_batch=512, verbose=False)
-
-  def run(ids, n):
-    llm.reset()
+  def run(self, i: int) -> None:
     t0 = time.perf_counter()
-    llm.eval(ids)
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    toks, pre_s, dec_s = self._loop(self.prompt_ids[i], self.n)
+    self.loop_tps.append((self.n - 1) / dec_s)
+    self.loop_prefill.append(1000 * pre_s)
+    self.loop_tokens.setdefault(i, toks)
+    # generate(): N tokens, and 1 token (prefill + first token) right before, so the decode
+    # rate (N - 1) / (t_N - t_1) excludes the prefill under the same machine conditions
+    _, t1 = self._generate(self.prompt_ids[i], 1)
+    toks, t = self._generate(self.prompt_ids[i], self.n)
+    self.gen_e2e.append(self.n / t)
+    self.gen_dec.append((self.n - 1) / max(t - t1, 1e-9))
+    self.gen_tokens.setdefault(i, toks)
+    self.seconds += time.perf_counter() - t0
+
+  def run_loop_1thread(self, i: int) -> None:
+    """The cached loop with one torch thread (shows how much thread contention costs)."""
+    t0 = time.perf_counter()
+    self.torch.set_num_threads(1)
+    try:
+      _, pre_s, dec_s = self._loop(self.prompt_ids[i], self.n)
+    finally:
+      self.torch.set_num_threads(self.info["threads"])
+      self.seconds += time.perf_counter() - t0
+    self.loop1_tps.append((self.n - 1) / dec_s)
+    self.loop1_prefill.append(1000 * pre_s)
+
+  def summary(self) -> dict[str, Any]:
+    gen = {"decode_tokens_per_s": _r(_median(self.gen_dec), 2),
+           "decode_tokens_per_s_best": _r(max(self.gen_dec), 2),
+           "decode_tokens_per_s_runs": [_r(x, 2) for x in self.gen_dec],
+           "end_to_end_tokens_per_s": _r(_median(self.gen_e2e), 2),
+           "end_to_end_tokens_per_s_runs": [_r(x, 2) for x in self.gen_e2e]}
+    out = {**self.info, "status": "ok", "cached_loop": _summary(self.loop_tps, self.loop_prefill),
+           "generate": gen}
+    if self.loop1_tps:
+      out["cached_loop_1thread"] = _summary(self.loop1_tps, self.loop1_prefill)
+    return out
+
+
+class LlamaCppRunner:
+  """llama.cpp (llama-cpp-python) on the GGUF as stored, greedy through ``Llama.generate``."""
+
+  def __init__(self, gguf_path: str, prompt_ids, new_tokens: int, threads: int):
+    import llama_cpp  # ImportError when llama-cpp-python is not installed
+    self.prompt_ids, self.n = prompt_ids, new_tokens
+    n_ctx = max(256, max(len(p) for p in prompt_ids) + new_tokens + 8)
+    self.llm = llama_cpp.Llama(model_path=gguf_path, n_threads=threads, n_threads_batch=threads,
+                               n_ctx=n_ctx, n_batch=512, verbose=False)
+    self.info = {"llama_cpp_python": getattr(llama_cpp, "__version__", "?"), "threads": threads,
+                 "weights": "the GGUF as stored (llama.cpp's Q4_1 kernels)"}
+    self.tps, self.prefill = [], []
+    self.tokens: dict[int, list[int]] = {}
+    self._run(prompt_ids[0], min(4, new_tokens))  # warm-up
+
+  def _run(self, ids, n):
+    # Llama.generate with top_k=1 is greedy (argmax); repeat_penalty=1 disables the penalty
+    gen = self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                            reset=True)
+    t0 = time.perf_counter()
+    toks = [int(next(gen))]  # prefill + the first token
     t1 = time.perf_counter()
-    toks = [tok]
     for _ in range(n - 1):
-      llm.eval([tok])
-      tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-      toks.append(tok)
+      toks.append(int(next(gen)))
     t2 = time.perf_counter()
+    gen.close()
     return toks, t1 - t0, t2 - t1
 
-  run(prompt_ids[0], min(4, new_tokens))  # warm-up
-  tps, prefill, tokens = [], [], []
-  for ids in prompt_ids:
-    for r in range(repeats):
-      toks, pre_s, dec_s = run(ids, new_tokens)
-      tps.append((new_tokens - 1) / dec_s)
-      prefill.append(1000 * pre_s)
-      if r == 0:
-        tokens.append(toks)
-  del llm
-  return {"status": "ok", "llama_cpp_python": getattr(llama_cpp, "__version__", "?"),
-          "threads": threads, "weights": "GGUF as stored (Q4_1 kernels)",
-          "decode_tokens_per_s": _r(_median(tps), 2),
-          "decode_tokens_per_s_runs": [_r(x, 2) for x in tps],
-          "prefill_ms": _r(_median(prefill), 2), "_tokens": tokens}
+  def run(self, i: int) -> None:
+    toks, pre_s, dec_s = self._run(self.prompt_ids[i], self.n)
+    self.tps.append((self.n - 1) / dec_s)
+    self.prefill.append(1000 * pre_s)
+    self.tokens.setdefault(i, toks)
+
+  def summary(self) -> dict[str, Any]:
+    return {**self.info, "status": "ok", **_summary(self.tps, self.prefill)}
+
+
+def bench_forward_cost(model, Ts: Sequence[int], cache_len: int, repeats: int) -> dict[str, Any]:
+  """Median wall time of one jitted forward of T query tokens against a KV cache.
+
+  The cache has ``cache_len`` slots; the T tokens are written at slot ``cache_len // 2`` and
+  each query sees the slots up to its own (causal), so every T runs against the same cache.
+  All T are compiled first, then timed in interleaved rounds (fair under a noisy machine).
+  """
+  from selforch_jax.models.transformer import KVCache
+  graphdef, state = nnx.split(model)
+  cfg = model.cfg
+
+  def fwd(state, tokens, positions, mask, cache, cache_index):
+    return nnx.merge(graphdef, state)(tokens, positions, mask, cache, cache_index)
+
+  jfwd = jax.jit(fwd, donate_argnums=(4,))
+  start = cache_len // 2
+  ci = jnp.int32(start)
+  inputs, times = {}, {}
+  for T in Ts:
+    if start + T > cache_len:
+      continue
+    tokens = jnp.ones((1, T), jnp.int32)
+    positions = (start + jnp.arange(T, dtype=jnp.int32))[None]
+    mask = (jnp.arange(cache_len)[None, :] <= (start + jnp.arange(T))[:, None])[None]
+    logits, cache = jfwd(state, tokens, positions, mask, KVCache.zeros(cfg, 1, cache_len), ci)
+    jax.block_until_ready(logits)  # compile + warm-up
+    inputs[T], times[T] = [tokens, positions, mask, cache], []
+  for _ in range(repeats):
+    for T, a in inputs.items():
+      t0 = time.perf_counter()
+      logits, a[3] = jfwd(state, a[0], a[1], a[2], a[3], ci)
+      jax.block_until_ready((logits, a[3]))
+      times[T].append(time.perf_counter() - t0)
+  ms = {str(T): _r(1000 * _median(v), 3) for T, v in times.items()}
+  base = ms.get("1")
+  return {"dtype": cfg.dtype, "cache_len": cache_len, "cache_index": start, "repeats": repeats,
+          "ms": ms, "relative_to_T1": {k: _r(v / base, 3) for k, v in ms.items()} if base else {},
+          "tokens_per_s_at_T": {k: _r(int(k) / (v / 1000), 1) for k, v in ms.items()}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,22 +422,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True, help="output directory (decode_throughput.json)")
   p.add_argument("--model", default="smollm2",
-                 help="'smollm2' (the bundled GGUF), a .gguf path, or a preset name for a "
-                      "random model (e.g. tiny_llama)")
+                 help="'smollm2' (the bundled GGUF), a .gguf path, or a model preset name for a "
+                      "random model (e.g. tiny_llama; no tokenizer, torch or llama.cpp then)")
   p.add_argument("--new_tokens", type=int, default=64, help="tokens generated per prompt")
   p.add_argument("--prompts", type=int, default=3, help="first N AlpacaEval instructions")
-  p.add_argument("--repeats", type=int, default=2, help="timed runs per prompt (after warm-up)")
-  p.add_argument("--dtypes", default="float32,bfloat16", help="our compute/param dtypes")
+  p.add_argument("--repeats", type=int, default=2,
+                 help="timed rounds (every prompt, every system) after the warm-up")
+  p.add_argument("--torch_budget_s", type=float, default=120.0,
+                 help="transformers runs in the first round, and in later rounds only while its "
+                      "timed runs so far took less than this (it is slow on a loaded machine)")
+  p.add_argument("--dtypes", default="float32,bfloat16", help="our compute (= param) dtypes")
   p.add_argument("--threads", type=int, default=2, help="threads for torch and llama.cpp")
+  p.add_argument("--no_1thread", action="store_true",
+                 help="skip the extra single-thread runs of transformers' loop and llama.cpp")
   p.add_argument("--skip_torch", action="store_true")
   p.add_argument("--skip_llamacpp", action="store_true")
   p.add_argument("--bandwidth_mb", type=int, default=512, help="size of the copied array")
   p.add_argument("--forward_T", default="1,2,4,8,16", help="query lengths for forward_cost")
   p.add_argument("--forward_cache_len", type=int, default=256)
-  p.add_argument("--forward_repeats", type=int, default=7)
+  p.add_argument("--forward_repeats", type=int, default=5)
   args = p.parse_args(argv)
   if args.new_tokens < 2:
-    p.error("--new_tokens must be >= 2")
+    p.error("--new_tokens must be >= 2 (tokens/s is measured over the tokens after the first)")
+  if args.prompts < 1 or args.repeats < 1:
+    p.error("--prompts and --repeats must be >= 1")
   return args
 
 
@@ -409,16 +456,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
   result: dict[str, Any] = {
       "config": {"model": args.model, "new_tokens": args.new_tokens, "prompts": args.prompts,
-                 "repeats": args.repeats, "batch": 1, "dtypes": dtypes, "threads": args.threads,
-                 "greedy": True, "stop_tokens_honoured": False},
+                 "repeats": args.repeats, "torch_budget_s": args.torch_budget_s, "batch": 1,
+                 "dtypes": dtypes, "threads": args.threads, "greedy": True,
+                 "stop_tokens_honoured": False},
       "machine": machine_info(),
   }
   bw_start = measure_copy_bandwidth(args.bandwidth_mb, threads=args.threads)
+  result["machine"]["loadavg_start"] = _loadavg()
 
   instructions = load_prompts(args.prompts)
   result["prompts"] = [s[:80] for s in instructions]
-  ours: dict[str, Any] = {}
-  tokens_by_dtype: dict[str, list[list[int]]] = {}
+
+  # ---- load + warm up every system ------------------------------------------------------
+  ours: dict[str, OursRunner] = {}
+  ours_info: dict[str, dict[str, Any]] = {}
   gguf_path, stop_ids, prompt_ids, forward_cost = None, [], None, {}
   for dtype in dtypes:
     t0 = time.perf_counter()
@@ -426,113 +477,151 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     if prompt_ids is None:
       prompt_ids, stop_ids = encode_prompts(instructions, gguf_path, cfg.vocab_size)
-    r = bench_ours(model, prompt_ids, args.new_tokens, args.repeats)
-    tokens_by_dtype[dtype] = r.pop("_tokens")
-    r["load_s"] = _r(load_s, 2)
-    r["param_bytes"] = param_bytes(model)
-    r["num_params"] = int(cfg.num_params())
-    ours[dtype] = r
+    ours[dtype] = OursRunner(model, prompt_ids, args.new_tokens)
+    ours_info[dtype] = {"load_s": _r(load_s, 2), "param_bytes": param_bytes(model),
+                        "num_params": int(cfg.num_params())}
     if dtype == dtypes[0]:
       Ts = [int(t) for t in args.forward_T.split(",") if t.strip()]
       forward_cost = bench_forward_cost(model, Ts, args.forward_cache_len, args.forward_repeats)
-      forward_cost["dtype"] = dtype
-      # the decode loop's per-token time vs one jitted forward of one token (loop overhead)
-      fwd1 = forward_cost["ms"].get("1")
-      if fwd1:
-        forward_cost["decode_loop_ms_per_token"] = _r(1000 / r["decode_tokens_per_s"], 3)
-        forward_cost["single_forward_T1_tokens_per_s"] = _r(1000 / fwd1, 2)
     del model
-  result["ours"] = ours
-  result["forward_cost"] = forward_cost
   result["prompt_tokens"] = [len(p) for p in prompt_ids]
   result["stop_ids"] = stop_ids
 
-  agreement: dict[str, Any] = {}
-  if len(dtypes) > 1:
-    a, b = tokens_by_dtype[dtypes[0]], tokens_by_dtype[dtypes[1]]
-    agreement[f"ours_{dtypes[1]}_vs_ours_{dtypes[0]}_first_mismatch"] = [
-        _first_mismatch(x, y) for x, y in zip(a, b)]
-
-  ref_dtype = "float32" if "float32" in ours else dtypes[0]
+  torch_runner = llama_runner = llama_runner1 = None
   if args.skip_torch:
     result["transformers"] = {"status": "skipped (--skip_torch)"}
   elif gguf_path is None:
     result["transformers"] = {"status": "skipped (random model: no GGUF to load)"}
   else:
     try:
-      tr = bench_transformers(gguf_path, prompt_ids, args.new_tokens, args.threads, args.repeats)
-      loop_tokens, gen_tokens = tr.pop("_loop_tokens"), tr.pop("_gen_tokens")
-      tr["status"] = "ok"
-      result["transformers"] = tr
-      ours_tok = tokens_by_dtype[ref_dtype]
-      mm = [_first_mismatch(x, y) for x, y in zip(ours_tok, loop_tokens)]
-      # generate(min_new_tokens=N) forbids EOS before N tokens: compare up to our first stop
-      mg = [_first_mismatch(_until_stop(x, stop_ids), y[:len(_until_stop(x, stop_ids))])
-            for x, y in zip(ours_tok, gen_tokens)]
-      agreement[f"ours_{ref_dtype}_vs_transformers_loop_first_mismatch"] = mm
-      agreement[f"ours_{ref_dtype}_vs_transformers_loop_identical"] = [m is None for m in mm]
-      agreement[f"ours_{ref_dtype}_vs_transformers_generate_until_stop_identical"] = [
-          m is None for m in mg]
-      agreement["transformers_loop_vs_generate_until_stop_identical"] = [
-          _first_mismatch(_until_stop(x, stop_ids), y[:len(_until_stop(x, stop_ids))]) is None
-          for x, y in zip(loop_tokens, gen_tokens)]
-      agreement["all_prompts_identical_ours_vs_transformers"] = all(m is None for m in mm)
+      torch_runner = TorchRunner(gguf_path, prompt_ids, args.new_tokens, args.threads)
     except Exception as e:  # record, do not crash the rest of the benchmark
       result["transformers"] = {"status": f"failed ({type(e).__name__}: {e})"}
-
   if args.skip_llamacpp:
     result["llamacpp"] = {"status": "skipped (--skip_llamacpp)"}
   elif gguf_path is None:
     result["llamacpp"] = {"status": "skipped (random model: no GGUF)"}
   else:
     try:
-      lc = bench_llamacpp(gguf_path, prompt_ids, args.new_tokens, args.threads, args.repeats)
+      llama_runner = LlamaCppRunner(gguf_path, prompt_ids, args.new_tokens, args.threads)
+      if not args.no_1thread and args.threads != 1:
+        llama_runner1 = LlamaCppRunner(gguf_path, prompt_ids, args.new_tokens, 1)
+    except ImportError as e:
+      result["llamacpp"] = {"status": f"not installed ({e}); pip install llama-cpp-python"}
     except Exception as e:
-      lc = {"status": f"failed ({type(e).__name__}: {e})"}
-    if "_tokens" in lc:
-      lt = lc.pop("_tokens")
-      agreement[f"ours_{ref_dtype}_vs_llamacpp_first_mismatch (Q4_1 kernels, info only)"] = [
-          _first_mismatch(x, y) for x, y in zip(tokens_by_dtype[ref_dtype], lt)]
-    result["llamacpp"] = lc
+      result["llamacpp"] = {"status": f"failed ({type(e).__name__}: {e})"}
+
+  # ---- timed rounds: every prompt, every system, interleaved -------------------------------
+  for r in range(args.repeats):
+    for i in range(len(prompt_ids)):
+      for runner in ours.values():
+        runner.run(i)
+      if torch_runner is not None and (r == 0 or torch_runner.seconds < args.torch_budget_s):
+        torch_runner.run(i)
+        if not args.no_1thread and args.threads != 1:
+          torch_runner.run_loop_1thread(i)
+      if llama_runner is not None:
+        llama_runner.run(i)
+      if llama_runner1 is not None:
+        llama_runner1.run(i)
+
+  result["ours"] = {d: {**ours[d].summary(), **ours_info[d]} for d in dtypes}
+  if forward_cost:
+    fwd1 = forward_cost["ms"].get("1")
+    x = result["ours"][dtypes[0]]["decode_tokens_per_s"]
+    if fwd1 and x:
+      # the decode loop's time per token vs one jitted single-token forward (loop overhead)
+      forward_cost["decode_loop_ms_per_token"] = _r(1000 / x, 3)
+      forward_cost["decode_loop_over_single_forward"] = _r(1000 / x / fwd1, 3)
+  result["forward_cost"] = forward_cost
+  if torch_runner is not None:
+    result["transformers"] = torch_runner.summary()
+  if llama_runner is not None:
+    result["llamacpp"] = llama_runner.summary()
+    if llama_runner1 is not None:
+      result["llamacpp"]["1thread"] = llama_runner1.summary()
+
+  # ---- agreement of greedy tokens ---------------------------------------------------------
+  agreement: dict[str, Any] = {}
+  ref = "float32" if "float32" in ours else dtypes[0]
+  ref_tokens = ours[ref].tokens
+  for d in dtypes:
+    if d != ref:
+      agreement[f"ours_{d}_vs_ours_{ref}_first_mismatch"] = [
+          _first_mismatch(x, y) for x, y in zip(ours[d].tokens, ref_tokens)]
+  if torch_runner is not None:
+    loop = [torch_runner.loop_tokens[i] for i in range(len(prompt_ids))]
+    gen = [torch_runner.gen_tokens[i] for i in range(len(prompt_ids))]
+    mm = [_first_mismatch(x, y) for x, y in zip(ref_tokens, loop)]
+
+    def until_stop_same(a, b):  # generate(min_new_tokens=N) bans EOS: compare up to a's stop
+      a = _until_stop(a, stop_ids)
+      return _first_mismatch(a, b[:len(a)]) is None
+
+    agreement[f"ours_{ref}_vs_transformers_loop_first_mismatch"] = mm
+    agreement[f"ours_{ref}_vs_transformers_loop_identical"] = [m is None for m in mm]
+    agreement[f"ours_{ref}_vs_transformers_generate_identical_until_stop"] = [
+        until_stop_same(x, y) for x, y in zip(ref_tokens, gen)]
+    agreement["transformers_loop_vs_generate_identical_until_stop"] = [
+        until_stop_same(x, y) for x, y in zip(loop, gen)]
+    agreement["all_prompts_identical_ours_vs_transformers"] = all(m is None for m in mm)
+  if llama_runner is not None:
+    lt = [llama_runner.tokens[i] for i in range(len(prompt_ids))]
+    agreement[f"ours_{ref}_vs_llamacpp_first_mismatch"] = [
+        _first_mismatch(x, y) for x, y in zip(ref_tokens, lt)]
+    agreement["llamacpp_note"] = ("llama.cpp multiplies Q4_1 weights with 8-bit-quantised "
+                                  "activations, so its greedy tokens may differ (info only)")
   result["agreement"] = agreement
 
+  # ---- roofline ---------------------------------------------------------------------------
   bw_end = measure_copy_bandwidth(args.bandwidth_mb, threads=args.threads)
+  result["machine"]["loadavg_end"] = _loadavg()
   bw = max(bw_start["copy_gb_per_s"], bw_end["copy_gb_per_s"])
-  roof: dict[str, Any] = {"bandwidth_start": bw_start, "bandwidth_end": bw_end,
-                          "copy_gb_per_s_used": bw,
-                          "bytes_per_token_definition": "sum of all parameter bytes in the "
-                          "dtype used (tied embedding counted once: it is the LM head)"}
-  for dtype, r in ours.items():
-    bpt = r["param_bytes"]
+  roof: dict[str, Any] = {
+      "bandwidth_start": bw_start, "bandwidth_end": bw_end, "copy_gb_per_s_used": bw,
+      "bytes_per_token_definition": "sum of all parameter bytes in the dtype used (the tied "
+                                    "embedding counted once: the LM head reads all of it)"}
+  for d in dtypes:
+    o = result["ours"][d]
+    bpt = o["param_bytes"]
     tps = bw * 1e9 / bpt
-    roof[dtype] = {"weight_bytes_per_token": bpt, "roofline_tokens_per_s": _r(tps, 2),
-                   "ours_fraction_of_roofline": _r(r["decode_tokens_per_s"] / tps, 3),
-                   "ours_effective_gb_per_s": _r(r["decode_tokens_per_s"] * bpt / 1e9, 2)}
+    roof[d] = {"weight_bytes_per_token": bpt, "roofline_tokens_per_s": _r(tps, 2),
+               "ours_fraction_of_roofline": _r(o["decode_tokens_per_s"] / tps, 3),
+               "ours_best_fraction_of_roofline": _r(o["decode_tokens_per_s_best"] / tps, 3),
+               "ours_effective_gb_per_s": _r(o["decode_tokens_per_s"] * bpt / 1e9, 2)}
   result["roofline"] = roof
 
+  # ---- ratios (of medians) and targets ----------------------------------------------------
+  tr, lc = result["transformers"], result["llamacpp"]
   ratios: dict[str, Any] = {}
-  tr = result.get("transformers", {})
-  lc = result.get("llamacpp", {})
-  for dtype, r in ours.items():
-    x = r["decode_tokens_per_s"]
-    d: dict[str, Any] = {"ours_over_roofline": roof[dtype]["ours_fraction_of_roofline"]}
+  for d in dtypes:
+    o = result["ours"][d]
+    x = o["decode_tokens_per_s"]
+    rr: dict[str, Any] = {"ours_over_roofline": roof[d]["ours_fraction_of_roofline"]}
     if tr.get("status") == "ok":
-      d["ours_over_transformers_cached_loop"] = _r(x / tr["cached_loop"]["decode_tokens_per_s"])
-      d["ours_over_transformers_generate"] = _r(x / tr["generate"]["decode_tokens_per_s"])
-      d["ours_over_transformers_generate_end_to_end"] = _r(
-          r["end_to_end_tokens_per_s"] / tr["generate"]["end_to_end_tokens_per_s"])
+      rr["ours_over_transformers_cached_loop"] = _r(x / tr["cached_loop"]["decode_tokens_per_s"])
+      rr["ours_best_over_transformers_cached_loop_best"] = _r(
+          o["decode_tokens_per_s_best"] / tr["cached_loop"]["decode_tokens_per_s_best"])
+      rr["ours_over_transformers_generate"] = _r(x / tr["generate"]["decode_tokens_per_s"])
+      rr["ours_over_transformers_generate_end_to_end"] = _r(
+          o["end_to_end_tokens_per_s"] / tr["generate"]["end_to_end_tokens_per_s"])
+    if tr.get("cached_loop_1thread"):
+      rr["ours_over_transformers_cached_loop_1thread"] = _r(
+          x / tr["cached_loop_1thread"]["decode_tokens_per_s"])
     if lc.get("status") == "ok":
-      d["ours_over_llamacpp"] = _r(x / lc["decode_tokens_per_s"])
-    ratios[dtype] = d
+      rr["ours_over_llamacpp"] = _r(x / lc["decode_tokens_per_s"])
+      if lc.get("1thread"):
+        rr["ours_over_llamacpp_1thread"] = _r(x / lc["1thread"]["decode_tokens_per_s"])
+      rr["ours_best_over_llamacpp_best"] = _r(
+          o["decode_tokens_per_s_best"] / lc["decode_tokens_per_s_best"])
+    ratios[d] = rr
   result["ratios"] = ratios
-
-  tgt_dtype = "float32" if "float32" in ratios else None
   targets: dict[str, Any] = {}
-  if tgt_dtype:
-    rr = ratios[tgt_dtype]
+  if "float32" in ratios:
+    rr = ratios["float32"]
+    loop = rr.get("ours_over_transformers_cached_loop")
     targets["float32_ours_ge_1.0x_transformers_cached_loop"] = (
-        None if "ours_over_transformers_cached_loop" not in rr
-        else bool(rr["ours_over_transformers_cached_loop"] >= TARGET_VS_TORCH_LOOP))
+        None if loop is None else bool(loop >= TARGET_VS_TORCH_LOOP))
     targets["float32_ours_ge_70pct_roofline"] = bool(rr["ours_over_roofline"] >= TARGET_VS_ROOFLINE)
   result["targets"] = targets
   result["wall_s"] = _r(time.perf_counter() - t_start, 1)
