@@ -16,6 +16,8 @@ Every case may add dead keys (``dead_frac``).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 KINDS = ("random", "packed", "pasta", "tree")
@@ -170,3 +172,22 @@ def naive_visible(qs: int, qo: int, ks: int, ko: int, alive: bool, visible, bidi
   if not visible[qs][ks]:
     return False
   return qs != ks or bool(bidir[qs]) or ko <= qo
+
+
+def naive_attention_row(q_vec, keys, values, seen, scale: float) -> np.ndarray:
+  """One query row of softmax attention by a per-key Python loop (the tests' ground truth).
+
+  Args:
+    q_vec: ``[D]`` query; ``keys``, ``values``: sequences of ``[D]`` vectors;
+    seen: sequence of bools, whether the query sees each key; scale: logit scale.
+
+  Returns:
+    ``[D]`` float64; zeros when the query sees no key (the kernels' convention).
+  """
+  logits = [scale * float(np.dot(q_vec, k)) for k, s in zip(keys, seen) if s]
+  vals = [np.asarray(v, np.float64) for v, s in zip(values, seen) if s]
+  if not logits:
+    return np.zeros(np.shape(q_vec))
+  m = max(logits)
+  w = [math.exp(x - m) for x in logits]
+  return sum(wi * vi for wi, vi in zip(w, vals)) / sum(w)

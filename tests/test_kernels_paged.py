@@ -8,7 +8,6 @@ ratios, page sizes, pages per block and flash-decoding splits, in float32 and bf
 
 from __future__ import annotations
 
-import math
 import os
 
 import jax
@@ -46,18 +45,12 @@ def _naive(q, kp, vp, case, scale):
     for h in range(H):
       kh = h // (H // K)
       for t in range(Tq):
-        logits, vals = [], []
-        for p, s in slots:
-          if kt.naive_visible(int(case["q_segment"][b, t]), int(case["q_order"][b, t]),
-                              int(case["slot_segment"][p, s]), int(case["slot_order"][p, s]),
-                              bool(case["slot_alive"][p, s]), case["visible"][b],
-                              case["bidir"][b]):
-            logits.append(scale * float(np.dot(q[b, h, t], kp[kh, p, s])))
-            vals.append(vp[kh, p, s])
-        if logits:
-          m = max(logits)
-          w = [math.exp(x - m) for x in logits]
-          out[b, h, t] = sum(wi * vi for wi, vi in zip(w, vals)) / sum(w)
+        seen = [kt.naive_visible(int(case["q_segment"][b, t]), int(case["q_order"][b, t]),
+                                 int(case["slot_segment"][p, s]), int(case["slot_order"][p, s]),
+                                 bool(case["slot_alive"][p, s]), case["visible"][b],
+                                 case["bidir"][b]) for p, s in slots]
+        out[b, h, t] = kt.naive_attention_row(q[b, h, t], [kp[kh, p, s] for p, s in slots],
+                                              [vp[kh, p, s] for p, s in slots], seen, scale)
   return out
 
 

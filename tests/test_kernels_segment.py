@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 
 import jax
@@ -59,18 +58,11 @@ def _naive_attention(q, k, v, case, scale):
     for h in range(H):
       kh = h // (H // K)
       for t in range(T):
-        logits, vals = [], []
-        for s in range(S):
-          if kt.naive_visible(int(case["q_segment"][b, t]), int(case["q_order"][b, t]),
-                              int(case["kv_segment"][b, s]), int(case["kv_order"][b, s]),
-                              bool(case["kv_alive"][b, s]), case["visible"][b],
-                              case["bidir"][b]):
-            logits.append(scale * float(np.dot(q[b, h, t], k[b, kh, s])))
-            vals.append(v[b, kh, s])
-        if logits:
-          m = max(logits)
-          w = [math.exp(x - m) for x in logits]
-          out[b, h, t] = sum(wi * vi for wi, vi in zip(w, vals)) / sum(w)
+        seen = [kt.naive_visible(int(case["q_segment"][b, t]), int(case["q_order"][b, t]),
+                                 int(case["kv_segment"][b, s]), int(case["kv_order"][b, s]),
+                                 bool(case["kv_alive"][b, s]), case["visible"][b],
+                                 case["bidir"][b]) for s in range(S)]
+        out[b, h, t] = kt.naive_attention_row(q[b, h, t], k[b, kh], v[b, kh], seen, scale)
   return out
 
 
