@@ -2,10 +2,10 @@ r"""SFT train-step throughput of our JAX trainer vs a hand-written PyTorch/trans
 
 Run (from the repository root)::
 
-  python bench/sft_throughput.py --out=out/bench                    # LoRA r=8, ~4-6 min on 2 cores
+  python bench/sft_throughput.py --out=out/bench                    # LoRA r=8, ~2 min on 2 idle cores
   python bench/sft_throughput.py --out=out/bench --lora_rank=0      # full fine-tuning
   python bench/sft_throughput.py --out=/tmp/b --model=tiny_smollm2 --skip_torch --steps=1 \
-      --seq_len=32 --batch_size=2                                   # smoke test (random tiny model)
+      --seq_len=64 --batch_size=2                                   # smoke test (random tiny model)
   python bench/sft_throughput.py --out=/tmp/b --breakdown           # + where our step time goes
 
 Both frameworks are measured in the same run, on the same model (SmolLM2-135M-Instruct from the
@@ -27,15 +27,20 @@ optimiser (clip-by-global-norm 1.0 then AdamW, constant learning rate, no weight
   ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW``. LoRA: ``peft`` (r, alpha, the same seven
   target projections, dropout 0) when importable, else a hand-written LoRA wrapper; either way
   the adapters' A matrices are copied from ours (B starts at zero in both), so the two runs
-  train the same function from the same point.
+  train the same function from the same point. ``torch_other_threads``: the same loop again
+  (fresh model) with each of ``--torch_extra_threads`` (default 1 thread): on a shared 2-core
+  machine two OpenMP threads stall whenever the other core is busy, one thread does not.
 * tokens: **non-padding tokens** of a batch (``segment_ids > 0``), the same count for both;
   ``tokens_per_s`` is the median over the timed steps of tokens / step time. ``all_tokens`` (B*T)
   and ``loss_tokens`` are reported too.
 * ``agreement``: the first-step losses of both (same weights, same batch) and the largest
   per-step loss difference over all steps.
-* ``breakdown`` (``--breakdown``): median times of pieces of our step (forward loss only,
-  forward+backward, the LM head + CE over the vocabulary alone, remat on) and of torch's
-  (forward, backward, optimiser) to see where the time goes.
+* ``breakdown_ours`` (``--breakdown``): median times of pieces of our step (forward loss only,
+  forward+backward, the LM head + CE over the vocabulary alone, forward+backward with remat on);
+  torch's forward / backward / clip+optimiser medians are always in ``torch``.
+
+``--seq_len`` must be >= ~64: GSM8K chats need ~49+ tokens (SmolLM2's system prompt and the
+question) before the first answer token, and rows without a loss token are skipped.
 
 Writes ``<out>/sft_throughput.json`` and prints it. See ``bench/README.md``.
 """
@@ -43,7 +48,6 @@ Writes ``<out>/sft_throughput.json`` and prints it. See ``bench/README.md``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -126,6 +130,41 @@ def summarize(times: list[float], counts: list[dict[str, int]]) -> dict[str, Any
   }
 
 
+def sgemm_probe(m: int, k: int, n: int, threads: int, with_torch: bool,
+                repeats: int = 10) -> dict[str, Any]:
+  """float32 ``[m,k] @ [k,n]`` GFLOP/s of jax (jit) and torch (``threads`` and 1 thread), best
+  of ``repeats``: how fast each framework's matmul is on this machine *right now* (the machine
+  is shared; torch's OpenMP/MKL threads suffer more than XLA's pool when cores are contended)."""
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((m, k), np.float32)
+  b = rng.standard_normal((k, n), np.float32)
+  flop = 2.0 * m * k * n
+
+  def best(fn):
+    fn()
+    ts = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      fn()
+      ts.append(time.perf_counter() - t0)
+    return _r(flop / min(ts) / 1e9, 1)
+
+  ja, jb = jnp.asarray(a), jnp.asarray(b)
+  f = jax.jit(jnp.matmul)
+  out: dict[str, Any] = {"shape": [m, k, n],
+                         "jax_gflops": best(lambda: f(ja, jb).block_until_ready())}
+  if with_torch:
+    import torch
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    out[f"torch_{threads}_threads_gflops"] = best(lambda: ta @ tb)
+    torch.set_num_threads(1)
+    out["torch_1_thread_gflops"] = best(lambda: ta @ tb)
+    torch.set_num_threads(prev)
+  return out
+
+
 # --------------------------------------------------------------------------------------------
 # model, tokenizer, data
 def load_ours(model_name: str, seed: int = 0):
@@ -150,14 +189,25 @@ def load_ours(model_name: str, seed: int = 0):
 
 def data_config(args) -> dict[str, Any]:
   return dict(name="gsm8k", seq_len=args.seq_len, batch_size=args.batch_size, packing=False,
-              shuffle=True, shuffle_seed=args.seed, num_epochs=None, num_threads=2,
+              shuffle=True, shuffle_seed=args.seed, num_epochs=1, num_threads=2,
               prefetch_buffer_size=16)
 
 
 def draw_batches(args, tok, n: int) -> list[dict[str, np.ndarray]]:
   from selforch_jax.data.pipeline import make_dataset
   it = iter(make_dataset(data_config(args), tok, "train", args.seed))
-  return [{k: np.array(v) for k, v in next(it).items()} for _ in range(n)]
+  out = []
+  for _ in range(n):
+    try:
+      out.append({k: np.array(v) for k, v in next(it).items()})
+    except StopIteration:
+      # examples whose assistant tokens are all cut by truncation are skipped; GSM8K's
+      # shortest prompt (system + question) is ~49 tokens, so --seq_len < 50 yields nothing
+      raise ValueError(
+          f"GSM8K train gave only {len(out)} batches of {args.batch_size} rows at seq_len="
+          f"{args.seq_len} (need {n}): rows must fit the prompt and >= 1 answer token; "
+          "use --seq_len >= 64") from None
+  return out
 
 
 def optim_config(args):
@@ -272,6 +322,45 @@ def breakdown_ours(model_cfg, trainer, batch, repeats: int) -> dict[str, Any]:
   return out
 
 
+# --------------------------------------------------------------------------------------------
+# experiment: LoRA term with a hand-written VJP (--ours_lora_vjp; patches this process only)
+@jax.custom_vjp
+def lora_delta(x2, a, b):
+  """``(x2 @ a) @ b`` for ``x2 [N, in]``, ``a [in, r]``, ``b [r, out]``."""
+  return (x2 @ a) @ b
+
+
+def _lora_delta_fwd(x2, a, b):
+  xa = x2 @ a
+  return xa @ b, (x2, xa, a, b)
+
+
+def _lora_delta_bwd(res, dy):
+  # Autodiff's dB = xa^T dy makes XLA:CPU write the big [N, out] activation gradient (fused
+  # with the SwiGLU / attention backward) in transposed layout for the dot. Transposing the
+  # thin [N, r] operands ourselves, behind a barrier so the transposes are not folded back
+  # into the dots, keeps every big operand in its natural layout.
+  x2, xa, a, b = res
+  dxa = dy @ b.T
+  xa_t, dxa_t = jax.lax.optimization_barrier((xa.T, dxa.T))
+  return dxa @ a.T, (dxa_t @ x2).T, xa_t @ dy
+
+
+lora_delta.defvjp(_lora_delta_fwd, _lora_delta_bwd)
+
+
+def proj_lora_vjp(x, p, name, eq, dtype, lora_scale):
+  """Drop-in for ``models.transformer.proj`` whose LoRA term uses :func:`lora_delta`."""
+  y = jnp.einsum(eq, x, p[name].astype(dtype))
+  if f"{name}_lora_a" in p:
+    a = p[f"{name}_lora_a"].astype(dtype)
+    b = p[f"{name}_lora_b"].astype(dtype)
+    d = lora_delta(x.reshape(x.shape[0] * x.shape[1], -1), a.reshape(-1, a.shape[-1]),
+                   b.reshape(b.shape[0], -1))
+    y = y + lora_scale * d.reshape(y.shape)
+  return y
+
+
 def _trainable_filter(cfg):
   from selforch_jax.trainers.sft import trainable_filter
   return trainable_filter(cfg.lora_rank > 0, False)
@@ -320,26 +409,29 @@ def _lora_A_modules(model, name: str) -> list:
   return out
 
 
-def load_torch_model(gguf_path: str | None, ours_model, ours_cfg, tok, threads: int):
+def torch_model_loader(gguf_path: str | None, ours_model, ours_cfg) -> tuple[Callable, str]:
+  """``(load, source)``: ``load()`` returns a fresh float32 transformers model of the same
+  weights: the GGUF itself, or (random presets) our model exported once with ``export_hf``."""
   import torch
   from transformers import AutoModelForCausalLM
 
-  torch.set_num_threads(threads)
   if gguf_path is not None:
-    return AutoModelForCausalLM.from_pretrained(
+    return (lambda: AutoModelForCausalLM.from_pretrained(
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-        torch_dtype=torch.float32), "gguf"
+        torch_dtype=torch.float32)), "gguf"
   from selforch_jax.checkpoints.safetensors_io import export_hf
   d = tempfile.mkdtemp(prefix="sft_bench_hf_")
   export_hf(ours_model, ours_cfg, d, dtype="float32")
-  return AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32), "export_hf(ours)"
+  return (lambda: AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)), \
+      "export_hf(ours)"
 
 
 def bench_torch(args, torch_model, lora_a: dict[str, np.ndarray] | None,
-                batches) -> dict[str, Any]:
+                batches, threads: int) -> dict[str, Any]:
   import torch
   import torch.nn.functional as F
 
+  torch.set_num_threads(threads)
   torch.manual_seed(args.seed)
   model = torch_model
   model.config.use_cache = False
@@ -404,6 +496,7 @@ def bench_torch(args, torch_model, lora_a: dict[str, np.ndarray] | None,
       "losses": [_r(x, 6) for x in losses],
       "grad_norms": [_r(x, 5) for x in gnorms],
       "trainable_params": int(sum(p.numel() for p in params)),
+      "threads": threads,
       "lora_impl": lora_impl,
       "attention": "causal only (rows are right-padded single examples: exact for loss tokens); "
                    f"attn_implementation={getattr(model.config, '_attn_implementation', None)}",
@@ -431,12 +524,18 @@ def parse_args(argv: Sequence[str] | None):
   p.add_argument("--model", default="smollm2_135m",
                  help="smollm2_135m (real GGUF weights) or a preset (e.g. tiny_smollm2, random)")
   p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+  p.add_argument("--torch_extra_threads", default="1",
+                 help="comma list of further torch thread counts to time (fresh model, same "
+                      "batches) next to --threads; '' = none")
   p.add_argument("--torch_lora", default="auto", choices=("auto", "peft", "manual"))
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--skip_torch", action="store_true")
   p.add_argument("--breakdown", action="store_true",
                  help="also time pieces of our step (forward, backward, LM head + CE, remat)")
   p.add_argument("--breakdown_repeats", type=int, default=3)
+  p.add_argument("--ours_lora_vjp", action="store_true",
+                 help="experiment: run ours with proj_lora_vjp patched over "
+                      "models.transformer.proj in this process (no file is changed)")
   a = p.parse_args(argv)
   if a.steps < 1 or a.warmup < 1:
     p.error("--steps and --warmup must be >= 1")
@@ -468,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     "(batch to device, forward, backward, clip, AdamW, loss to host); "
                     "warmup (compile) steps excluded",
           "threads": args.threads,
+          "ours_lora_vjp": bool(args.ours_lora_vjp),
       },
       "machine": machine_info(args.threads),
   }
@@ -475,23 +575,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   t0 = time.perf_counter()
   cfg, model, tok, gguf_path = load_ours(args.model, args.seed)
   load_s = time.perf_counter() - t0
+  probe_shape = (args.batch_size * args.seq_len, cfg.hidden_size, cfg.intermediate_size)
+  result["machine"]["sgemm_probe_start"] = sgemm_probe(*probe_shape, args.threads,
+                                                       not args.skip_torch)
   batches = draw_batches(args, tok, n)
   counts = [batch_token_counts(b) for b in batches]
   result["batches"] = {"tokens": [c["tokens"] for c in counts],
                        "loss_tokens": [c["loss_tokens"] for c in counts],
                        "all_tokens": counts[0]["all_tokens"]}
 
-  torch_model, torch_source = None, None
+  torch_load, torch_source = None, None
   if not args.skip_torch:
-    # load (or export) before ours takes ownership of the model arrays
-    t0 = time.perf_counter()
-    torch_model, torch_source = load_torch_model(gguf_path, model, cfg, tok, args.threads)
-    torch_load_s = time.perf_counter() - t0
+    # export (random presets) before ours takes ownership of the model arrays
+    torch_load, torch_source = torch_model_loader(gguf_path, model, cfg)
 
   if args.lora_rank > 0:
     from selforch_jax.models.transformer import add_lora
     model = add_lora(model, args.lora_rank, args.lora_alpha, seed=args.seed)
   model_cfg = model.cfg
+  if args.ours_lora_vjp:
+    from selforch_jax.models import transformer as T
+    T.proj = proj_lora_vjp
   lora_a = lora_a_matrices(model) if args.lora_rank > 0 and not args.skip_torch else None
   ours, trainer = bench_ours(model, args, batches)
   ours["load_s"] = _r(load_s, 2)
@@ -504,12 +608,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if args.skip_torch:
     result["torch"] = {"status": "skipped (--skip_torch)"}
   else:
-    tr = bench_torch(args, torch_model, lora_a, batches)
-    tr["status"] = "ok"
-    tr["source"] = torch_source
-    tr["load_s"] = _r(torch_load_s, 2)
-    result["torch"] = tr
-    del torch_model
+    def run_torch(threads):
+      import torch
+      torch.set_num_threads(threads)
+      t0 = time.perf_counter()
+      tm = torch_load()
+      load_s = time.perf_counter() - t0
+      tr = bench_torch(args, tm, lora_a, batches, threads)
+      tr.update({"status": "ok", "source": torch_source, "load_s": _r(load_s, 2)})
+      return tr
+
+    result["torch"] = run_torch(args.threads)
+    extra = {}
+    for th in [int(x) for x in args.torch_extra_threads.split(",") if x.strip()]:
+      tr = run_torch(th)
+      extra[f"threads_{th}"] = {
+          "tokens_per_s": tr["tokens_per_s"], "step_s_median": tr["step_s_median"],
+          "step_s": tr["step_s"], "forward_s_median": tr["forward_s_median"],
+          "backward_s_median": tr["backward_s_median"],
+          "clip_optimizer_s_median": tr["clip_optimizer_s_median"],
+          "first_step_loss": tr["losses"][0],
+          "ratio_ours_over_this": _r(result["ours"]["tokens_per_s"] / tr["tokens_per_s"], 3),
+          "max_abs_loss_diff_vs_ours": _r(max(abs(a - b) for a, b in
+                                              zip(result["ours"]["losses"], tr["losses"])), 7)}
+    result["torch_other_threads"] = extra
 
   o, t = result["ours"], result["torch"]
   ratio = None
@@ -531,6 +653,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   result["step_s_median"] = {"ours": o["step_s_median"], "torch": t.get("step_s_median")}
   result["target"] = {"ratio_ge": TARGET_RATIO,
                       "met": None if ratio is None else bool(ratio >= TARGET_RATIO)}
+  result["machine"]["sgemm_probe_end"] = sgemm_probe(*probe_shape, args.threads,
+                                                     not args.skip_torch)
   result["machine"]["loadavg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
   result["wall_s"] = _r(time.perf_counter() - t_start, 1)
 
