@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -49,6 +48,7 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a plain script from anywhere
   sys.path.insert(0, REPO_ROOT)
+from bench.common import loadavg, machine_info  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -84,42 +84,6 @@ def _until_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
       break
     out.append(int(t))
   return out
-
-
-def _loadavg() -> list[float] | None:
-  """1/5/15-minute load averages (other processes compete for the same cores)."""
-  try:
-    return [round(x, 2) for x in os.getloadavg()]
-  except OSError:
-    return None
-
-
-def machine_info() -> dict[str, Any]:
-  info = {
-      "cpu_count": os.cpu_count(),
-      "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-      "cpu_model": None,
-      "platform": platform.platform(),
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-      "jax_backend": jax.default_backend(),
-      "jax_devices": [str(d) for d in jax.devices()],
-      "numpy": np.__version__,
-  }
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          info["cpu_model"] = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
-  try:
-    import flax
-    info["flax"] = flax.__version__
-  except Exception:  # pragma: no cover
-    pass
-  return info
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,10 +423,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                  "repeats": args.repeats, "torch_budget_s": args.torch_budget_s, "batch": 1,
                  "dtypes": dtypes, "threads": args.threads, "greedy": True,
                  "stop_tokens_honoured": False},
-      "machine": machine_info(),
+      "machine": machine_info(("flax",)),
   }
   bw_start = measure_copy_bandwidth(args.bandwidth_mb, threads=args.threads)
-  result["machine"]["loadavg_start"] = _loadavg()
+  result["machine"]["loadavg_start"] = loadavg()
 
   instructions = load_prompts(args.prompts)
   result["prompts"] = [s[:80] for s in instructions]
@@ -575,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   # ---- roofline ---------------------------------------------------------------------------
   bw_end = measure_copy_bandwidth(args.bandwidth_mb, threads=args.threads)
-  result["machine"]["loadavg_end"] = _loadavg()
+  result["machine"]["loadavg_end"] = loadavg()
   bw = max(bw_start["copy_gb_per_s"], bw_end["copy_gb_per_s"])
   roof: dict[str, Any] = {
       "bandwidth_start": bw_start, "bandwidth_end": bw_end, "copy_gb_per_s_used": bw,

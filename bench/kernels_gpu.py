@@ -35,7 +35,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a plain script from anywhere
   sys.path.insert(0, REPO_ROOT)
+from bench.common import machine_info  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -67,12 +67,6 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
     jax.block_until_ready(fn())
     ts.append(time.perf_counter() - t0)
   return 1e3 * float(statistics.median(ts))
-
-
-def _machine() -> dict[str, Any]:
-  return {"jax": jax.__version__, "backend": jax.default_backend(),
-          "devices": [f"{d.platform}:{getattr(d, 'device_kind', '')}" for d in jax.devices()],
-          "python": platform.python_version(), "platform": platform.platform()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     H, K, D, S, blocks = 9, 3, 64, 2048, (128, 64)
     decode = dict(pages_per_seq=64, page_size=16, splits=(1, 8))
 
-  result: dict[str, Any] = {"config": vars(args), "machine": _machine(), "mode":
+  result: dict[str, Any] = {"config": vars(args), "machine": machine_info(), "mode":
                             "interpret (cpu_smoke)" if smoke else "compiled",
                             "skip": skip_ratios(), "prefill": [], "train": [], "decode": [],
                             "errors": []}

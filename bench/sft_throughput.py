@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -62,6 +61,7 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a plain script from anywhere
   sys.path.insert(0, REPO_ROOT)
+from bench.common import loadavg, machine_info  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -79,36 +79,6 @@ def _median(xs: Sequence[float]) -> float:
 
 def _r(x: float | None, nd: int = 4):
   return None if x is None else round(float(x), nd)
-
-
-def machine_info(threads: int) -> dict[str, Any]:
-  info: dict[str, Any] = {
-      "cpu_count": os.cpu_count(),
-      "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-      "cpu_model": None,
-      "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-      "platform": platform.platform(),
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-      "jax_backend": jax.default_backend(),
-      "jax_devices": [str(d) for d in jax.devices()],
-      "numpy": np.__version__,
-      "torch_threads": threads,
-  }
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          info["cpu_model"] = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
-  for mod in ("flax", "optax", "torch", "transformers", "peft"):
-    try:
-      info[mod] = __import__(mod).__version__
-    except Exception:  # not installed
-      info[mod] = None
-  return info
 
 
 def batch_token_counts(b: dict[str, np.ndarray]) -> dict[str, int]:
@@ -569,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           "threads": args.threads,
           "ours_lora_vjp": bool(args.ours_lora_vjp),
       },
-      "machine": machine_info(args.threads),
+      "machine": machine_info(("flax", "optax", "torch", "transformers", "peft")) | {"torch_threads": args.threads},
   }
 
   t0 = time.perf_counter()
@@ -655,7 +625,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                       "met": None if ratio is None else bool(ratio >= TARGET_RATIO)}
   result["machine"]["sgemm_probe_end"] = sgemm_probe(*probe_shape, args.threads,
                                                      not args.skip_torch)
-  result["machine"]["loadavg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+  result["machine"]["loadavg_at_end"] = loadavg()
   result["wall_s"] = _r(time.perf_counter() - t_start, 1)
 
   path = os.path.join(args.out, "sft_throughput.json")

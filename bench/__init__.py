@@ -1,0 +1,1 @@
+"""Benchmarks (plain scripts writing JSON); ``bench.common`` holds what they share."""
