@@ -153,9 +153,10 @@ def test_lora_trains_only_adapters_and_new_rows_and_merged_export_matches(tmp_pa
   from selforch_jax.checkpoints.safetensors_io import import_hf
   from selforch_jax.trainers.restore import export_run, restore_run
   from selforch_jax.models.transformer import causal_mask, positions_from_valid
-  c = tiny_config(steps=4, train__train_embed_rows_from=49100)
+  c = tiny_config(steps=4, train__train_embed_rows_from=49152)
   c.model.lora_rank = 4
   c.model.lora_alpha = 8.0
+  c.model.tags = True  # the orchestration tags: 15 new rows 49152..49166, trained
   wd = str(tmp_path / "lora")
   train(c, wd)
   _, base, _ = config_lib.load_model(c.model)  # same seed -> the initial weights
@@ -166,12 +167,16 @@ def test_lora_trains_only_adapters_and_new_rows_and_merged_export_matches(tmp_pa
     np.testing.assert_array_equal(np.asarray(b["layers"][k]), np.asarray(t["layers"][k]), err_msg=k)
   np.testing.assert_array_equal(np.asarray(b["final_norm"]), np.asarray(t["final_norm"]))
   eb, et = np.asarray(b["embed"]), np.asarray(t["embed"])
-  np.testing.assert_array_equal(eb[:49100], et[:49100])
-  assert np.abs(eb[49100:] - et[49100:]).max() > 0
+  assert eb.shape == et.shape == (49167, 64)
+  np.testing.assert_array_equal(eb[:49152], et[:49152])
+  assert np.abs(eb[49152:] - et[49152:]).max() > 0
+  assert tok.token_to_id("<sync/>") == 49156
   assert max(float(np.abs(np.asarray(v)).max()) for k, v in t["layers"].items() if k.endswith("_lora_b")) > 0
 
   out = export_run(wd, str(tmp_path / "hf"))
   _, reloaded = import_hf(out)
+  from selforch_jax.tokenizers import Tokenizer
+  assert Tokenizer.from_hf_dir(out).encode("a<sync/>b")[1] == 49156
   toks = jnp.asarray([tok.encode("Natalia sold clips to 48 of her friends in April.")])
   valid = jnp.ones_like(toks, bool)
   args = (toks, positions_from_valid(valid), causal_mask(valid))
