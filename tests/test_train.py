@@ -123,7 +123,9 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   ck.close()
 
 
-def test_sigterm_leaves_restorable_checkpoint(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_leaves_restorable_checkpoint(tmp_path, sig):
+  """SIGTERM (TPU preemption) and Ctrl-C (SIGINT) save a checkpoint and exit 0."""
   wd = tmp_path / "w"
   cmd = [sys.executable, "-m", "selforch_jax.train", "--config=configs/sft.py:model=tiny_smollm2,lora_rank=0,steps=100000,seq_len=64,batch_size=4",
          "--config.train.checkpoint_every=100000", "--config.train.eval_every=0",
@@ -134,7 +136,7 @@ def test_sigterm_leaves_restorable_checkpoint(tmp_path):
     if os.path.exists(wd / "metrics.jsonl") and len(metrics(wd)) >= 2:
       break
     time.sleep(0.5)
-  p.send_signal(signal.SIGTERM)
+  p.send_signal(sig)
   out, err = p.communicate(timeout=120)
   assert p.returncode == 0, err[-2000:]
   summary = json.loads(out[out.index("{"):])
@@ -313,3 +315,16 @@ def test_grad_accumulation_and_schedule():
   assert abs(float(s(110)) - 0.1) < 1e-6 and abs(float(s(60)) - 0.55) < 1e-6  # cosine midpoint
   oc.schedule = "linear"
   assert abs(float(make_schedule(oc, 110)(60)) - 0.55) < 1e-6
+
+
+def test_resume_refuses_a_different_model_or_data_config(tmp_path):
+  train(tiny_config(steps=2), str(tmp_path))
+  with pytest.raises(config_lib.ConfigError, match=r"data.seq_len: checkpoint 64, now 128"):
+    c = tiny_config(steps=4)
+    c.data.seq_len = 128
+    train(c, str(tmp_path))
+  with pytest.raises(config_lib.ConfigError, match="data.name"):
+    validate(tiny_config(data__name="gsm9k"))
+  s = train(tiny_config(steps=3, optim__lr=5e-4), str(tmp_path))  # optim/train may change
+  assert s["step"] == 3
+  assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]

@@ -51,10 +51,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
 
   config_lib.validate(config, defaults())
   config_lib.validate_model(config.model)
+  from selforch_jax.data.sources import DATASETS
   try:
     DataConfig.from_any(config.data)
   except (ValueError, TypeError) as e:
     raise config_lib.ConfigError(f"data: {e}") from None
+  if config.data.name not in DATASETS:
+    raise config_lib.ConfigError(f"data.name={config.data.name!r} is unknown; known: {sorted(DATASETS)}")
   if config.train.steps < 1:
     raise config_lib.ConfigError(f"train.steps={config.train.steps} must be >= 1")
   if config.optim.grad_accum < 1 or config.data.batch_size % config.optim.grad_accum:
@@ -79,12 +82,20 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
 class MetricsWriter:
   """Metrics to ``metrics.jsonl`` and TensorBoard (tensorboardX) on process 0."""
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  def __init__(self, workdir: str, enabled: bool = True, start_step: int = 0):
+    """Rows of steps after ``start_step`` (left by an interrupted run that is now resumed
+    from an earlier checkpoint) are dropped, so every step appears once."""
     self.enabled = enabled
     if enabled:
       from tensorboardX import SummaryWriter
       os.makedirs(workdir, exist_ok=True)
-      self.f = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      path = os.path.join(workdir, "metrics.jsonl")
+      if os.path.exists(path):
+        with open(path) as f:
+          keep = [l for l in f if l.strip() and json.loads(l).get("step", 0) <= start_step]
+        with open(path, "w") as f:
+          f.writelines(keep)
+      self.f = open(path, "a")
       self.tb = SummaryWriter(os.path.join(workdir, "tb"))
 
   def write(self, step: int, metrics: dict) -> None:
@@ -130,6 +141,42 @@ def build(config, workdir: str):
   return trainer, tok, train_ds, eval_ds, ckpt
 
 
+RESUME_SECTIONS = ("model", "data")  # must match the checkpoint's config to resume
+# execution details that do not change the parameters or the batches
+RESUME_MAY_CHANGE = ("data.num_threads", "data.prefetch_buffer_size", "model.remat", "model.dtype")
+
+
+def check_resume_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Refuse to resume a checkpoint written with a different model or data config.
+
+  ``optim``, ``train`` (e.g. more steps) and ``mesh`` may change between runs.
+
+  Raises:
+    config_lib.ConfigError: listing the keys that differ, before any model is loaded.
+  """
+  from selforch_jax.trainers.checkpoint import Checkpointer
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    return
+  ck = Checkpointer(workdir, async_save=False)
+  try:
+    if ck.latest_step() is None:
+      return
+    saved = ck.restore_config()
+  finally:
+    ck.close()
+  now = json.loads(config.to_json())
+  diffs = []
+  for sect in RESUME_SECTIONS:
+    a, b = saved.get(sect, {}), now.get(sect, {})
+    for k in sorted(set(a) | set(b)):
+      if a.get(k) != b.get(k) and f"{sect}.{k}" not in RESUME_MAY_CHANGE:
+        diffs.append(f"{sect}.{k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}")
+  if diffs:
+    raise config_lib.ConfigError(
+        f"{workdir} holds a checkpoint of a different run; resuming it needs the same model and "
+        f"data config (use another --workdir to start fresh). Differences: " + "; ".join(diffs))
+
+
 def local_rows(batch: dict, process_index: int, process_count: int) -> dict:
   """This process's slice of a global batch (rows split evenly across processes)."""
   if process_count == 1:
@@ -159,6 +206,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   from tqdm import tqdm
 
   validate(config)
+  check_resume_config(config, workdir)
   is_main = jax.process_index() == 0
   trainer, tok, train_ds, eval_ds, ckpt = build(config, workdir)
   data_iter = iter(train_ds)
@@ -172,9 +220,14 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   stop = {"signal": None}
 
   def on_term(signum, frame):
+    if stop["signal"] is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C stops at once
     stop["signal"] = signum
-  old = signal.signal(signal.SIGTERM, on_term)
-  writer = MetricsWriter(workdir, enabled=is_main)
+    if is_main and signum == signal.SIGINT:
+      print("\ninterrupted: saving a checkpoint after this step (Ctrl-C again to abort)",
+            file=sys.stderr)
+  old = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
+  writer = MetricsWriter(workdir, enabled=is_main, start_step=start)
   pid, nproc = jax.process_index(), jax.process_count()
   last = {}
   steps = config.train.steps
@@ -200,9 +253,13 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
       dt = time.perf_counter() - t0
       if not np.isfinite(m["loss"]) or not np.isfinite(m["grad_norm"]):
         ckpt.wait()
+        what = "loss" if not np.isfinite(m["loss"]) else "gradient norm"
+        last_ck = ckpt.latest_step()
+        where = (f"last good checkpoint: step {last_ck} in {ckpt.directory}" if last_ck is not None
+                 else "no checkpoint was saved yet")
         raise TrainingError(
-            f"non-finite loss ({m['loss']}) / grad norm ({m['grad_norm']}) at step {trainer.step}; "
-            f"stopped. Last good checkpoint: step {ckpt.latest_step()} in {ckpt.directory}")
+            f"non-finite {what} at step {trainer.step} (loss {m['loss']}, grad norm "
+            f"{m['grad_norm']}); stopped, {where}")
       m["tokens_per_s"] = float(batch["segment_ids"].astype(bool).sum()) / dt
       m["step_time_s"] = dt
       m["batch_crc32"] = zlib.crc32(np.ascontiguousarray(batch["tokens"]).tobytes())
@@ -223,7 +280,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   finally:
     bar.close()
     writer.close()
-    signal.signal(signal.SIGTERM, old)
+    for sig, handler in old.items():
+      signal.signal(sig, handler)
   ckpt.close()
   summary = {"step": trainer.step, "preempted": stop["signal"] is not None,
              "checkpoint": ckpt.directory, **{k: v for k, v in last.items()}}
