@@ -7,7 +7,7 @@ line, shell-quoted with ``shlex.join``, instead of running them)::
       --version=tpu-ubuntu2204-base
   python launch/tpu_vm.py install NAME --zone=us-central2-b          # copy this checkout
   python launch/tpu_vm.py install NAME --zone=us-central2-b --repo_url=https://github.com/o/r.git
-  python launch/tpu_vm.py run     NAME --zone=us-central2-b --config=configs/smollm2_135m.py \
+  python launch/tpu_vm.py run     NAME --zone=us-central2-b --config=configs/sft.py \
       --workdir=gs://my-bucket/runs/r1 --config.optim.lr=3e-4      # unknown flags pass through
   python launch/tpu_vm.py delete  NAME --zone=us-central2-b
 
@@ -183,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
   r = sub.add_parser("run", parents=[common], allow_abbrev=False,
                      help="run a module on all workers; unknown flags (e.g. --config.a.b=v) "
                      "are passed through")
-  r.add_argument("--config", required=True, help="config file, e.g. configs/smollm2_135m.py[:arg]")
+  r.add_argument("--config", required=True, help="config file, e.g. configs/sft.py[:arg]")
   r.add_argument("--workdir", required=True, help="gs://bucket/path shared by all hosts")
   r.add_argument("--module", default="selforch_jax.train", help="python -m MODULE")
   r.add_argument("--env", action="append", default=[], help="KEY=VALUE exported first; repeatable")

@@ -172,3 +172,28 @@ def test_scatter_writes_equal_contiguous_writes():
   assert float(jnp.abs(cache.k[:, 0, 1]).max()) == 0.0  # untouched slot
   with pytest.raises(ValueError, match="exactly one"):
     m(toks, pos, vis, KVCache.zeros(m.cfg, 1, S), 0, write_slots=slots)
+
+
+def test_decode_run_checks_prompts_first_and_keeps_previous_output(tmp_path):
+  import json
+
+  from selforch_jax import config_lib
+  from selforch_jax.decoding.run import defaults, run
+  c = defaults()
+  c.model.preset, c.model.weights, c.model.tokenizer = "tiny_smollm2", "random", "smollm2_gguf"
+  c.max_new_tokens = 4
+  wd = str(tmp_path)
+  s = run(c, wd, prompt="Name three colors.")
+  assert s["prompts"] == 1 and s["config"]["sampling"]["temperature"] == 0.0
+  good = open(tmp_path / "answers.jsonl").read()
+  assert json.loads(good)["prompt"] == "Name three colors."
+  with pytest.raises(config_lib.ConfigError, match="context length"):
+    run(c, wd, prompt="word " * 3000)
+  assert open(tmp_path / "answers.jsonl").read() == good  # the earlier run survives
+  c.sampling.top_p = 1.5
+  with pytest.raises(config_lib.ConfigError, match="sampling: top_p"):
+    run(c, wd, prompt="hi")
+  (tmp_path / "empty.jsonl").write_text("")
+  from selforch_jax.decoding.prompts import load_prompts
+  with pytest.raises(ValueError, match="empty.jsonl has no rows"):
+    load_prompts(prompts_file=str(tmp_path / "empty.jsonl"))

@@ -66,5 +66,7 @@ def load_prompts(spec: str = "", prompts_file: str = "", prompt: str = "") -> li
     out.append({"id": "prompt/0", "source": "flag", "messages": [{"role": "user", "content": prompt}],
                 "reference": None})
   if not out:
+    if prompts_file:
+      raise ValueError(f"no prompts: {prompts_file} has no rows")
     raise ValueError("no prompts: give --prompt, --prompts_file or config.inputs")
   return out

@@ -38,11 +38,21 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise config_lib.ConfigError("batch_size must be >= 1")
   if config.padding not in ("left", "right"):
     raise config_lib.ConfigError(f"padding={config.padding!r} must be 'left' or 'right'")
+  from selforch_jax.decoding.sampling import SamplingParams
+  try:
+    SamplingParams(**config.sampling.to_dict())
+  except ValueError as e:
+    raise config_lib.ConfigError(f"sampling: {e}") from None
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
         prompts_file: str = "") -> dict:
   """Decode every prompt and write ``answers.jsonl`` + ``summary.json`` under ``workdir``.
+
+  Every prompt is encoded and checked against the context length before anything is
+  written; answers stream to ``answers.jsonl.partial``, which replaces ``answers.jsonl``
+  (and the summary) only when the run completes, so a failed or interrupted run never
+  destroys an earlier run's output.
 
   Returns:
     the summary dict.
@@ -61,23 +71,29 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
   load_s = time.perf_counter() - t0
   if tok is None:
     raise config_lib.ConfigError("model.weights has no tokenizer; decode needs GGUF or an HF dir")
+  # encode and check every prompt before any output is written (a bad prompt loses nothing)
+  encoded = []
+  for it in items:
+    msgs = list(it["messages"])
+    if config.system_prompt and msgs[0]["role"] != "system":
+      msgs = [{"role": "system", "content": config.system_prompt}] + msgs
+    ids = (tok.encode_chat(msgs, add_generation_prompt=True) if config.chat
+           else tok.encode("\n".join(m["content"] for m in msgs)))
+    if len(ids) + config.max_new_tokens > cfg.max_position_embeddings:
+      raise config_lib.ConfigError(
+          f"prompt {it['id']} has {len(ids)} tokens; with max_new_tokens={config.max_new_tokens} "
+          f"it exceeds the model's context length of {cfg.max_position_embeddings} tokens")
+    encoded.append(ids)
   gen = Generator(model)
   os.makedirs(workdir, exist_ok=True)
   stop_ids = tok.stop_ids
   rows, all_stats = [], []
   bs = config.batch_size
-  with open(os.path.join(workdir, "answers.jsonl"), "w", encoding="utf-8") as f:
+  t_start = time.perf_counter()
+  answers = os.path.join(workdir, "answers.jsonl")
+  with open(answers + ".partial", "w", encoding="utf-8") as f:
     for start in tqdm(range(0, len(items), bs), desc="decode", unit="batch", file=sys.stderr):
-      batch = items[start:start + bs]
-      ids = []
-      for it in batch:
-        msgs = list(it["messages"])
-        if config.system_prompt and msgs[0]["role"] != "system":
-          msgs = [{"role": "system", "content": config.system_prompt}] + msgs
-        if config.chat:
-          ids.append(tok.encode_chat(msgs, add_generation_prompt=True))
-        else:
-          ids.append(tok.encode("\n".join(m["content"] for m in msgs)))
+      batch, ids = items[start:start + bs], encoded[start:start + bs]
       results, stats = gen.generate(ids, max_new_tokens=config.max_new_tokens, sampling=sampling,
                                     stop_ids=stop_ids, padding=config.padding, pad_id=tok.pad_id)
       all_stats.append(stats)
@@ -89,11 +105,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
                "reference": it.get("reference")}
         rows.append(row)
         f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.flush()
   decode_s = sum(s.decode_s for s in all_stats)
   decode_tokens = sum(max(s.new_tokens - s.batch, 0) for s in all_stats)
   summary = {
       "prompts": len(rows),
-      "model": config.model.to_dict(),
+      "config": config.to_dict(),
+      "prompts_file": prompts_file or None,
+      "wall_s": round(time.perf_counter() - t_start, 3),
       "load_s": round(load_s, 3),
       "compile_s": round(sum(s.compile_s for s in all_stats), 3),
       "prefill_ms_mean": round(sum(s.prefill_ms for s in all_stats) / len(all_stats), 2),
@@ -103,8 +122,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
       "batch_size": bs,
       "finish_reasons": {k: sum(r["finish_reason"] == k for r in rows) for k in ("stop", "length")},
   }
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
+  with open(os.path.join(workdir, "summary.json.partial"), "w") as f:
     json.dump(summary, f, indent=2)
+  # replace the previous run's files only now that this run is complete
+  os.replace(answers + ".partial", answers)
+  os.replace(os.path.join(workdir, "summary.json.partial"), os.path.join(workdir, "summary.json"))
   return summary
 
 

@@ -41,8 +41,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise config_lib.ConfigError(f"eval.dataset={config.eval.dataset!r}; known: {sorted(DATASETS)}")
   if config.eval.n < 1 or config.eval.batch_size < 1 or config.eval.max_new_tokens < 1:
     raise config_lib.ConfigError("eval.n, eval.batch_size and eval.max_new_tokens must be >= 1")
-  if config.finetuned and not os.path.exists(config.finetuned):
-    raise config_lib.ConfigError(f"finetuned={config.finetuned!r}: no such directory")
+  ft = config.finetuned
+  if ft and not (os.path.isdir(os.path.join(ft, "checkpoints"))
+                 or os.path.exists(os.path.join(ft, "config.json"))):
+    raise config_lib.ConfigError(
+        f"finetuned={ft!r} is neither a training workdir (with checkpoints/) nor a Hugging Face "
+        "directory (with config.json)")
 
 
 def load_finetuned(path: str):
@@ -110,7 +114,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if config.finetuned:
     models.append(("finetuned", lambda: load_finetuned(config.finetuned)))
   out = {"dataset": ec.dataset, "file": rel, "subset": [ec.offset, ec.offset + len(rows)],
-         "n": len(rows), "models": {}}
+         "n": len(rows), "config": config.to_dict(), "models": {}}
   correct = {}
   for name, load in models:
     t0 = time.perf_counter()

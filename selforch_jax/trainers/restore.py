@@ -21,6 +21,9 @@ def restore_run(workdir: str, step: int | None = None):
   from selforch_jax.trainers.checkpoint import Checkpointer
   from selforch_jax.trainers.sft import SFTTrainer
 
+  import os
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, 'checkpoints')}")
   ckpt = Checkpointer(workdir, async_save=False)
   if ckpt.latest_step() is None:
     raise FileNotFoundError(f"no checkpoint under {ckpt.directory}")
