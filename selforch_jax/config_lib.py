@@ -169,3 +169,23 @@ def load_model(mc: ml_collections.ConfigDict):
     add_tags(tok, model, int(mc.num_registers))
     cfg = model.cfg
   return cfg, model, tok
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl ``flags_parser`` for the entry points: a bad ``--config.a.b=v`` override (unknown
+  key, wrong type) prints one line naming it and exits with status 2, instead of a traceback.
+  """
+  import sys
+
+  from absl import flags
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    msg = str(e).strip()
+    if len(msg) > 1 and msg[0] == msg[-1] and msg[0] in "'\"":  # KeyError-style repr
+      msg = msg[1:-1]
+    msg = msg.replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+    print(f"config error: {msg}", file=sys.stderr)
+    print("Pass --helpfull to see the flags; each config file's docstring shows its run command.",
+          file=sys.stderr)
+    sys.exit(2)

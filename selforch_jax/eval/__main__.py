@@ -38,4 +38,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_lib.parse_flags)
