@@ -91,7 +91,7 @@ def test_cli_rejects_unknown_override_before_work(tmp_path):
                       "--config.optim.nope=1", f"--workdir={tmp_path}/w"],
                      cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert r.returncode != 0
-  assert "nope" in r.stderr
+  assert "config error" in r.stderr and "nope" in r.stderr and "Traceback" not in r.stderr
   assert not os.path.exists(tmp_path / "w" / "checkpoints")
 
 
