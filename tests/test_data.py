@@ -106,9 +106,9 @@ def test_tokenize_errors():
 
 
 def test_real_tokenizer_loss_mask():
-  """With SmolLM2's GGUF tokenizer (skipped until selforch_jax.tokenizers exists)."""
-  tokenizers = pytest.importorskip("selforch_jax.tokenizers")
-  assets = pytest.importorskip("selforch_jax.checkpoints.assets")
+  """With SmolLM2's GGUF tokenizer."""
+  from selforch_jax import tokenizers
+  from selforch_jax.checkpoints import assets
   tok = tokenizers.Tokenizer.from_gguf(assets.smollm2_gguf_path())
   msgs = [
       {"role": "user", "content": "What is 2+3?"},

@@ -17,10 +17,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _gsm8k_test_path() -> pathlib.Path:
-  for p in (REPO / "data/gsm8k/test.jsonl", REPO.parent / "shared/data/gsm8k/test.jsonl"):
+  for p in (REPO / "data/gsm8k/test.jsonl",):
     if p.exists():
       return p
-  pytest.skip("gsm8k test.jsonl not found in data/ or ../shared/data/")
+  raise FileNotFoundError("data/gsm8k/test.jsonl is missing from the checkout")
 
 
 # --- extraction + normalization: each asserts a value -------------------------------------------

@@ -34,7 +34,7 @@ from selforch_jax.tokenizers import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[1]
-_DATA_CANDIDATES = [os.environ.get("SELFORCH_DATA_DIR"), REPO / "shared" / "data", "/work/shared/data"]
+_DATA_CANDIDATES = [os.environ.get("SELFORCH_DATA_DIR"), REPO / "data"]
 DATA_DIR = next((Path(p) for p in _DATA_CANDIDATES if p and Path(p, "gsm8k", "test.jsonl").is_file()), None)
 
 ORCH_TAGS = ["<promise>", "</promise>", "<async>", "</async>", "<sync/>", "<reg_0>", "<reg_1>", "<|mask|>", "[PAD]"]
