@@ -185,6 +185,13 @@ def parse_flags(argv: list[str]) -> list[str]:
     if len(msg) > 1 and msg[0] == msg[-1] and msg[0] in "'\"":  # KeyError-style repr
       msg = msg[1:-1]
     msg = msg.replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+    if isinstance(e, (AttributeError, KeyError)):
+      key = msg.split()[0].strip("'\"") if msg else ""
+      bad = [a.split("=")[0] for a in argv
+             if a.startswith("--config.") and key and f".{key}" in a.split("=")[0]]
+      where = f" in {bad[0]}" if bad else ""
+      msg = f"unknown config key {key!r}{where}" + (f" ({msg[len(key) + 2:].strip()})"
+                                                      if "Did you mean" in msg else "")
     print(f"config error: {msg}", file=sys.stderr)
     print("Pass --helpfull to see the flags; each config file's docstring shows its run command.",
           file=sys.stderr)

@@ -38,7 +38,10 @@ def main(argv):
     raise app.UsageError("--config is required, e.g. --config=configs/smollm2_135m.py")
   try:
     summary = run(config, _WORKDIR.value, _PROMPT.value, _PROMPTS_FILE.value)
-  except (config_lib.ConfigError, FileNotFoundError, ValueError) as e:
+  except config_lib.ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except (FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   rows = [json.loads(l) for l in open(os.path.join(_WORKDIR.value, "answers.jsonl"))]

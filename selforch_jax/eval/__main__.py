@@ -27,7 +27,10 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   try:
     out = run(_CONFIG.value, _WORKDIR.value)
-  except (config_lib.ConfigError, FileNotFoundError) as e:
+  except config_lib.ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except (FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   for name, m in out["models"].items():

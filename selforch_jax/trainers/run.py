@@ -64,6 +64,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     raise config_lib.ConfigError(
         f"data.batch_size={config.data.batch_size} must be a multiple of "
         f"optim.grad_accum={config.optim.grad_accum}")
+  o = config.optim
+  for key, ok in (("lr", o.lr > 0), ("warmup_steps", o.warmup_steps >= 0),
+                  ("end_lr_frac", 0 <= o.end_lr_frac <= 1), ("weight_decay", o.weight_decay >= 0),
+                  ("b1", 0 <= o.b1 < 1), ("b2", 0 <= o.b2 < 1), ("eps", o.eps > 0),
+                  ("clip_norm", o.clip_norm >= 0)):
+    if not ok:
+      raise config_lib.ConfigError(f"optim.{key}={o[key]!r} is out of range")
   if config.optim.schedule not in ("cosine", "linear", "constant"):
     raise config_lib.ConfigError(f"optim.schedule={config.optim.schedule!r} must be cosine, "
                                  "linear or constant")
