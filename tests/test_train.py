@@ -76,6 +76,8 @@ def test_bad_configs_fail_naming_the_key():
   d["optim"]["lr"] = "fast"  # a config file that builds a section by hand
   with pytest.raises(config_lib.ConfigError, match="optim.lr"):
     validate(ml_collections.ConfigDict(d))
+  with pytest.raises(config_lib.ConfigError, match="optim.lr=-1.0 is out of range"):
+    validate(tiny_config(optim__lr=-1.0))
   c = tiny_config(mesh__fsdp=3)
   with pytest.raises(config_lib.ConfigError, match="mesh"):
     validate(c)
