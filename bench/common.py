@@ -46,3 +46,16 @@ def machine_info(modules: Sequence[str] = ("flax",)) -> dict[str, Any]:
     except Exception:  # not installed
       info[mod] = None
   return info
+
+
+def write_result(result: dict[str, Any], out_dir: str, name: str) -> str:
+  """Write ``result`` as ``<out_dir>/<name>`` (pretty JSON), print it, return the path."""
+  import json
+  import sys
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, name)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=2)
+  print(json.dumps(result, indent=2))
+  print(f"wrote {path}", file=sys.stderr)
+  return path

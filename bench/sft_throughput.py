@@ -61,7 +61,7 @@ import numpy as np
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a plain script from anywhere
   sys.path.insert(0, REPO_ROOT)
-from bench.common import loadavg, machine_info  # noqa: E402
+from bench.common import loadavg, machine_info, write_result  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -628,11 +628,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   result["machine"]["loadavg_at_end"] = loadavg()
   result["wall_s"] = _r(time.perf_counter() - t_start, 1)
 
-  path = os.path.join(args.out, "sft_throughput.json")
-  with open(path, "w") as f:
-    json.dump(result, f, indent=2)
-  print(json.dumps(result, indent=2))
-  print(f"wrote {path}", file=sys.stderr)
+  write_result(result, args.out, "sft_throughput.json")
   return result
 
 
