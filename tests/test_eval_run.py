@@ -36,4 +36,6 @@ def test_eval_run_base_and_finetuned(tmp_path):
   assert rows[0]["question"].startswith("Josh decides to try flipping a house")  # row 2 of test.jsonl
   assert out["finetuned_minus_base"]["n"] == 4
   saved = json.load(open(tmp_path / "ev" / "eval_results.json"))
+  assert saved["models"]["finetuned"]["source"] == str(tmp_path / "ft")
+  assert saved["models"]["base"]["model_config"]["hidden_size"] == 64
   assert saved["models"]["base"]["accuracy_str"].endswith("(n=4)")

@@ -5,6 +5,7 @@ each with a bootstrap 95% CI and n, plus the paired difference.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -129,7 +130,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     correct[name] = np.array([r["correct"] for r in res["records"]], np.float64)
     out["models"][name] = {"accuracy": res["accuracy"], "accuracy_str": format_ci(res["accuracy"]),
                            "decode_tokens_per_s": round(res["decode_tokens_per_s"], 2),
-                           "seconds": round(time.perf_counter() - t0, 1)}
+                           "seconds": round(time.perf_counter() - t0, 1),
+                           "source": config.finetuned if name == "finetuned" else config.model.weights,
+                           "model_config": dataclasses.asdict(model.cfg)}
   if "finetuned" in correct:
     d = paired_bootstrap_diff(correct["finetuned"], correct["base"], n_boot=ec.n_boot, seed=ec.seed)
     out["finetuned_minus_base"] = d | {"str": format_ci(d)}
