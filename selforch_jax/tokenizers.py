@@ -28,6 +28,7 @@ Conventions pinned by ``tests/test_tokenizers.py``:
 
 from __future__ import annotations
 
+import abc
 import datetime
 import functools
 import json
@@ -176,7 +177,7 @@ def render_chat_template(
 # --------------------------------------------------------------------------------------------
 
 
-class Tokenizer:
+class Tokenizer(abc.ABC):
   """Common interface of every tokenizer backend (see the module docstring).
 
   Do not instantiate directly: use :meth:`from_gguf`, :meth:`from_hf_dir` or
@@ -213,9 +214,11 @@ class Tokenizer:
 
   # ---- backend hooks --------------------------------------------------------------------
 
+  @abc.abstractmethod
   def _encode_text(self, text: str) -> list[int]:
-    raise NotImplementedError
+    """Ids of ``text`` with the backend (added special tokens matched whole)."""
 
+  @abc.abstractmethod
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     """Token ids back to text.
 
@@ -227,26 +230,26 @@ class Tokenizer:
     Returns:
       str: the decoded text. Byte sequences that are not valid UTF-8 decode to U+FFFD.
     """
-    raise NotImplementedError
 
   @property
+  @abc.abstractmethod
   def vocab_size(self) -> int:
     """int: number of ids, including added tokens (the embedding table needs this many rows)."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def token_to_id(self, token: str) -> int | None:
     """Id of a vocabulary entry (as the vocabulary spells it, e.g. ``'Ġthe'`` in byte-level
     BPE), or ``None`` when there is none."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def id_to_token(self, token_id: int) -> str:
     """Vocabulary entry of an id (as the vocabulary spells it).
 
     Raises:
       IndexError: ``token_id`` is not in ``[0, vocab_size)``.
     """
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def add_special_tokens(self, tokens: Sequence[str]) -> list[int]:
     """Register special tokens, appending the new ones at the end of the vocabulary.
 
@@ -264,13 +267,13 @@ class Tokenizer:
     Raises:
       ValueError: a token is empty or not a string.
     """
-    raise NotImplementedError
 
   @property
+  @abc.abstractmethod
   def special_ids(self) -> frozenset[int]:
     """frozenset[int]: ids of all special tokens (control tokens and added special tokens)."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def save_hf(self, directory: str | os.PathLike) -> None:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``.
 
@@ -280,7 +283,6 @@ class Tokenizer:
     Raises:
       NotImplementedError: the backend cannot be expressed as a ``tokenizer.json``.
     """
-    raise NotImplementedError
 
   # ---- shared behaviour -------------------------------------------------------------------
 
