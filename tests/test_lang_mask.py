@@ -9,6 +9,7 @@ at 100: <promise> 100, </promise> 101, <async> 102, </async> 103, <sync/> 104, <
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from lang_strategies import mutate
 
 from selforch_jax.lang import (
   MAIN, LayoutBuilder, Promise, Round, TagVocab, batch_layouts, build_layout, serialize,
@@ -264,15 +265,7 @@ def annotated(draw):
     parts.append(Round(plan=tuple(plan), chunks=chunks, sync=draw(st.booleans())))
   parts += draw(st.lists(st.sampled_from([x, y, R0, EOS]), max_size=3))
   ids = serialize(parts, TV)
-  for _ in range(draw(st.integers(0, 3))):
-    op = draw(st.sampled_from(["ins", "del", "sub"]))
-    if op == "ins" or not ids:
-      ids.insert(draw(st.integers(0, len(ids))), draw(st.sampled_from(ALPHABET)))
-    elif op == "del":
-      del ids[draw(st.integers(0, len(ids) - 1))]
-    else:
-      ids[draw(st.integers(0, len(ids) - 1))] = draw(st.sampled_from(ALPHABET))
-  return ids
+  return mutate(draw, ids, ALPHABET)
 
 
 tokens = st.one_of(st.lists(st.sampled_from(ALPHABET), max_size=48), annotated())

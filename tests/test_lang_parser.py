@@ -9,6 +9,7 @@ import collections
 
 import pytest
 from hypothesis import given, settings, strategies as st
+from lang_strategies import mutate
 
 from selforch_jax.lang import (
   DEGRADE_RULES, MAIN, Assembler, AsyncClosed, AsyncOpened, Degraded, EndOfText, Fill, PlanEnded,
@@ -274,15 +275,7 @@ def annotated(draw):
   insertions / deletions / substitutions."""
   parts = draw(documents())
   ids = serialize(parts, TV)
-  for _ in range(draw(st.integers(0, 3))):
-    op = draw(st.sampled_from(["ins", "del", "sub"]))
-    if op == "ins" or not ids:
-      ids.insert(draw(st.integers(0, len(ids))), draw(st.sampled_from(ALPHABET)))
-    elif op == "del":
-      del ids[draw(st.integers(0, len(ids) - 1))]
-    else:
-      ids[draw(st.integers(0, len(ids) - 1))] = draw(st.sampled_from(ALPHABET))
-  return ids
+  return mutate(draw, ids, ALPHABET)
 
 
 streams = st.one_of(st.lists(st.sampled_from(ALPHABET), max_size=60), annotated())
