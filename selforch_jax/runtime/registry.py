@@ -1,0 +1,80 @@
+"""Schedulers by name: ``make_scheduler(name, engine, prompts, **kw)``.
+
+Trainers (GRPO, BoNBoN rollouts) and evaluation pick a decoding system by a config string.
+Each entry is a factory ``(engine, prompts, **kw) -> Scheduler``; the factory chooses fresh
+owner and segment ids on ``engine`` (so sequences already in the pool stay invisible).
+
+Contract every registered scheduler meets (what :mod:`selforch_jax.trainers.rollouts` reads):
+after :func:`selforch_jax.runtime.scheduler.run` returns, ``scheduler.results`` is a list with
+one :class:`~selforch_jax.decoding.generate.GenerationResult` per prompt whose ``token_ids``
+are the response in canonical (serialized) order, tags included, stop token excluded; and
+``scheduler.owners`` lists the page-table owners to free afterwards.
+
+Register a system with an additive edit::
+
+  @register("pasta")
+  def _pasta(engine, prompts, **kw): ...
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from selforch_jax.runtime.engine import Engine
+from selforch_jax.runtime.scheduler import Scheduler
+
+SchedulerFactory = Callable[..., Scheduler]
+_REGISTRY: dict[str, SchedulerFactory] = {}
+
+
+def register(name: str) -> Callable[[SchedulerFactory], SchedulerFactory]:
+  """Decorator: register ``factory(engine, prompts, **kw) -> Scheduler`` under ``name``.
+
+  Raises:
+    ValueError: ``name`` is already registered.
+  """
+  def deco(factory: SchedulerFactory) -> SchedulerFactory:
+    if name in _REGISTRY:
+      raise ValueError(f"scheduler {name!r} is already registered")
+    _REGISTRY[name] = factory
+    return factory
+  return deco
+
+
+def available() -> list[str]:
+  """The registered scheduler names, sorted."""
+  return sorted(_REGISTRY)
+
+
+def fresh_bases(engine: Engine) -> tuple[int, int]:
+  """``(owner_base, segment_base)``: ids above every owner / segment already in the pool."""
+  owner_base = max(engine.pool.owners(), default=-1) + 1
+  segment_base = int(engine.pool.segment.max(initial=-1)) + 1
+  return owner_base, segment_base
+
+
+def make_scheduler(name: str, engine: Engine, prompts: Sequence[Sequence[int]],
+                   **kw) -> Scheduler:
+  """Build the scheduler ``name`` for ``prompts`` (lists of int token ids) on ``engine``.
+
+  Args:
+    name: a registered name (see :func:`available`).
+    engine: the :class:`Engine` the job will run on.
+    prompts: B non-empty lists of int token ids.
+    **kw: the system's own options (for "ar": ``max_new_tokens``, ``sampling``,
+      ``stop_ids``).
+
+  Raises:
+    KeyError: unknown ``name`` (the message lists the registered ones).
+  """
+  if name not in _REGISTRY:
+    raise KeyError(f"unknown scheduler {name!r}; registered: {available()}")
+  return _REGISTRY[name](engine, prompts, **kw)
+
+
+@register("ar")
+def _ar(engine: Engine, prompts: Sequence[Sequence[int]], **kw) -> Scheduler:
+  """Plain AR decoding (:class:`~selforch_jax.runtime.ar.ARScheduler`)."""
+  from selforch_jax.runtime.ar import ARScheduler
+  owner_base, segment_base = fresh_bases(engine)
+  return ARScheduler(prompts, owner_base=owner_base, segment_base=segment_base, **kw)
