@@ -1,0 +1,39 @@
+"""The ``bonbon`` config section: iterated best-vs-worst preference optimization with an IPO
+loss plus an SFT term (BoNBoN, Gui et al. 2024; IPO, Azar et al. 2023; PASTA paper §4).
+
+Used by ``config.trainer == "bonbon"``; ``train.steps`` = optimizer steps in total, spread
+over ``rounds`` sampling rounds.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+
+def bonbon_defaults() -> ml_collections.ConfigDict:
+  """Keys of the ``bonbon`` section.
+
+  num_samples: N responses sampled per prompt (>= 2; best and worst form the pair).
+  prompts_per_round: prompts sampled per round.
+  rounds: sampling rounds (each re-samples with the updated policy).
+  pairs_per_step: preference pairs per optimizer step (the batch).
+  max_new_tokens, temperature, top_k, top_p: sampling.
+  alpha: weight of the SFT term (mean NLL per token of the best response).
+  tau: IPO regularisation; the target margin is 1 / (2 tau).
+  score: score name in :mod:`selforch_jax.trainers.bonbon` ("pasta": theoretical speedup +
+    lambda * quality; "quality": quality only; "length": -tokens, for tests).
+  quality_weight: lambda of the "pasta" score.
+  quality: "ref_nll" (judge-free: minus the mean per-token NLL of the response under the
+    reference model) or "gsm8k" (the exact-match reward).
+  min_score_gap: pairs whose best and worst scores differ by less are dropped.
+  scheduler, scheduler_kwargs, layout_mask, num_pages, page_size, max_prompt_tokens,
+  init_from, dataset, split, shuffle_seed, seed: as in ``grpo_defaults()``.
+  """
+  return ml_collections.ConfigDict(dict(
+      num_samples=4, prompts_per_round=4, rounds=2, pairs_per_step=2, max_new_tokens=64,
+      temperature=1.0, top_k=0, top_p=1.0, alpha=1.0, tau=0.1, score="pasta",
+      quality_weight=1.0, quality="ref_nll", min_score_gap=0.0, scheduler="ar",
+      scheduler_kwargs={}, layout_mask=False, num_pages=256, page_size=16,
+      max_prompt_tokens=256, init_from=placeholder(str), dataset="gsm8k", split="train",
+      shuffle_seed=0, seed=0))
