@@ -82,7 +82,8 @@ def load_tokenizer(spec: str):
 
 def validate(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict,
              prefix: str = "") -> None:
-  """Check ``config`` against ``defaults``: same keys, compatible types.
+  """Check ``config`` against ``defaults``: same keys, compatible types. An empty section in
+  ``defaults`` is free-form: any keys are accepted there.
 
   Raises:
     ConfigError: naming the first unknown key, missing key or wrongly typed value.
@@ -95,6 +96,8 @@ def validate(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigD
     if isinstance(d, ml_collections.ConfigDict):
       if not isinstance(v, ml_collections.ConfigDict):
         raise ConfigError(f"config key {name!r} must be a section, got {type(v).__name__}")
+      if len(d) == 0:  # a free-form section (e.g. data.annotator_args): any keys
+        continue
       validate(v, d, name + ".")
     elif d is not None and v is not None:
       ok = isinstance(v, type(d)) or (isinstance(d, float) and isinstance(v, int)

@@ -45,7 +45,22 @@ max_examples          None        keep only the first N examples of the split
 drop_remainder        True        drop the last incomplete batch
 num_threads           4           grain read threads (tokenization runs there)
 prefetch_buffer_size  64          grain read prefetch, in examples
+annotated             False       rows in the orchestration language: one example per row,
+                                  the mask builder's ``mask bool[B,T,T]`` and positions
+                                  instead of ``segment_ids`` (:mod:`.annotated`; needs a
+                                  tokenizer with the tags, ``packing=False``)
+annotator             None        a registered annotator run on each example's last
+                                  assistant turn (``lang.annotators``), or None
+annotator_args        None        its keyword arguments (a dict)
+strip_tags            False       plain responses (Baseline-SFT): no annotator, tags of
+                                  pre-annotated responses removed
+async_sees_full_plan  False       mask-builder option (``lang.mask.LayoutBuilder``)
+chunk_bidirectional   False       mask-builder option: False, True or "auto"
 ====================  ==========  =====================================================
+
+With ``annotated=True`` each batch holds ``tokens, targets, loss_mask, positions``
+``int32[batch_size, seq_len]`` and ``mask bool[batch_size, seq_len, seq_len]``; the model call is
+``model(batch["tokens"], batch["positions"], batch["mask"])``.
 
 Checkpointing the iterator (exact; state is a small JSON-serialisable dict)::
 
@@ -104,8 +119,21 @@ class DataConfig:
   drop_remainder: bool = True
   num_threads: int = 4
   prefetch_buffer_size: int = 64
+  annotated: bool = False
+  annotator: str | None = None
+  annotator_args: dict | None = None
+  strip_tags: bool = False
+  async_sees_full_plan: bool = False
+  chunk_bidirectional: bool | str = False
 
   def __post_init__(self):
+    if self.annotated and self.packing:
+      raise ValueError("annotated data is one example per row: set packing=False")
+    if (self.annotator or self.strip_tags) and not self.annotated:
+      raise ValueError("annotator / strip_tags need annotated=True")
+    if self.chunk_bidirectional not in (False, True, "auto"):
+      raise ValueError(f"chunk_bidirectional must be False, True or 'auto', "
+                       f"got {self.chunk_bidirectional!r}")
     if self.seq_len < 1 or self.batch_size < 1:
       raise ValueError(f"seq_len={self.seq_len} and batch_size={self.batch_size} must be >= 1")
     if self.num_epochs is not None and self.num_epochs < 1:
@@ -188,7 +216,7 @@ def _pad_id(tokenizer: ChatTokenizer) -> int:
 
 
 def make_dataset(cfg_like: Any, tokenizer: ChatTokenizer, split: str | None = None,
-                 seed: int | None = None) -> grain.IterDataset:
+                 seed: int | None = None, tag_vocab: Any = None) -> grain.IterDataset:
   """The batched input pipeline for one split.
 
   Args:
@@ -198,10 +226,13 @@ def make_dataset(cfg_like: Any, tokenizer: ChatTokenizer, split: str | None = No
     split: ``"train"``, ``"eval"`` or a file split (see :func:`split_examples`);
       None = ``cfg.split``.
     seed: shuffle seed; None = ``cfg.shuffle_seed``. Same seed, same order.
+    tag_vocab: the :class:`~selforch_jax.lang.tags.TagVocab` for ``annotated`` data (None: read
+      from the tokenizer, which must have the tags).
 
   Returns:
     A grain ``IterDataset``; iterating yields dicts of numpy ``int32[batch_size, seq_len]``
-    arrays ``tokens, targets, loss_mask, segment_ids, positions``. ``iter(ds)`` is a
+    arrays ``tokens, targets, loss_mask, segment_ids, positions`` (``annotated``: ``tokens,
+    targets, loss_mask, positions`` and ``mask bool[batch_size, seq_len, seq_len]``). ``iter(ds)`` is a
     checkpointable grain ``DatasetIterator`` (``get_state`` / ``set_state``).
     Examples whose assistant tokens are all cut by truncation are skipped.
 
@@ -219,11 +250,25 @@ def make_dataset(cfg_like: Any, tokenizer: ChatTokenizer, split: str | None = No
   if cfg.shuffle:
     ds = ds.shuffle(seed=seed)
   ds = ds.repeat(cfg.num_epochs)
-  ds = ds.map(_TokenizeShift(tokenizer, cfg.seq_len)).filter(lambda x: x is not None)
+  if cfg.annotated:
+    from selforch_jax.data.annotated import AnnotateTokenize
+    from selforch_jax.lang.tags import TagVocab
+
+    if tag_vocab is None:
+      tag_vocab = TagVocab.from_tokenizer(tokenizer)
+    fn = AnnotateTokenize(tokenizer, tag_vocab, cfg.seq_len, annotator=cfg.annotator,
+                          annotator_args=cfg.annotator_args, strip_tags=cfg.strip_tags,
+                          pad_id=_pad_id(tokenizer), async_sees_full_plan=cfg.async_sees_full_plan,
+                          chunk_bidirectional=cfg.chunk_bidirectional)
+  else:
+    fn = _TokenizeShift(tokenizer, cfg.seq_len)
+  ds = ds.map(fn).filter(lambda x: x is not None)
   it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.num_threads,
                                                prefetch_buffer_size=cfg.prefetch_buffer_size))
   pad_id = _pad_id(tokenizer)
-  if cfg.packing:
+  if cfg.annotated:  # rows are already padded to seq_len
+    pass
+  elif cfg.packing:
     it_ds = packing.pack_dataset(it_ds, cfg.seq_len, cfg.num_packing_bins or cfg.batch_size,
                                  pad_id=pad_id)
   else:

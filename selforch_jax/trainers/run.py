@@ -35,7 +35,9 @@ def defaults() -> ml_collections.ConfigDict:
       name="gsm8k", path=placeholder(str), split="train", eval_fraction=0.0, eval_split_seed=0,
       eval_path=placeholder(str), seq_len=256, batch_size=8, packing=True,
       num_packing_bins=placeholder(int), shuffle=True, shuffle_seed=0, num_epochs=placeholder(int),
-      max_examples=placeholder(int), drop_remainder=True, num_threads=2, prefetch_buffer_size=16))
+      max_examples=placeholder(int), drop_remainder=True, num_threads=2, prefetch_buffer_size=16,
+      annotated=False, annotator=placeholder(str), annotator_args=ml_collections.ConfigDict(),
+      strip_tags=False, async_sees_full_plan=False))
   train = ml_collections.ConfigDict(dict(
       steps=100, log_every=1, eval_every=0, eval_batches=4, checkpoint_every=50, keep=3,
       async_checkpoint=True, train_embed_rows_from=-1, seed=0))
@@ -58,6 +60,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     raise config_lib.ConfigError(f"data: {e}") from None
   if config.data.name not in DATASETS:
     raise config_lib.ConfigError(f"data.name={config.data.name!r} is unknown; known: {sorted(DATASETS)}")
+  if config.data.annotated and not config.model.tags:
+    raise config_lib.ConfigError("data.annotated=True needs model.tags=True (the tokenizer and "
+                                 "model need the orchestration tags)")
+  if config.data.annotator:
+    from selforch_jax.lang import annotators
+    if config.data.annotator not in annotators.annotator_names():
+      raise config_lib.ConfigError(f"data.annotator={config.data.annotator!r} is unknown; known: "
+                                   f"{annotators.annotator_names()}")
   if config.train.steps < 1:
     raise config_lib.ConfigError(f"train.steps={config.train.steps} must be >= 1")
   if config.optim.grad_accum < 1 or config.data.batch_size % config.optim.grad_accum:
@@ -137,7 +147,8 @@ def build(config, workdir: str):
     model = add_lora(model, mc.lora_rank, mc.lora_alpha, mc.lora_targets, seed=config.train.seed)
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   trainer = SFTTrainer(model, mesh, config.optim, config.train.steps, lora=lora,
-                       train_embed_rows_from=config.train.train_embed_rows_from)
+                       train_embed_rows_from=config.train.train_embed_rows_from,
+                       masked=bool(config.data.annotated))
   train_ds = make_dataset(config.data, tok, "train", config.data.shuffle_seed)
   eval_ds = None
   if config.train.eval_every > 0:
@@ -267,7 +278,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
         raise TrainingError(
             f"non-finite {what} at step {trainer.step} (loss {m['loss']}, grad norm "
             f"{m['grad_norm']}); stopped, {where}")
-      m["tokens_per_s"] = float(batch["segment_ids"].astype(bool).sum()) / dt
+      real = batch["segment_ids"].astype(bool) if "segment_ids" in batch else batch["valid"]
+      m["tokens_per_s"] = float(real.sum()) / dt
       m["step_time_s"] = dt
       m["batch_crc32"] = zlib.crc32(np.ascontiguousarray(batch["tokens"]).tobytes())
       last = m

@@ -29,6 +29,9 @@ from selforch_jax.trainers.loss import masked_loss_sum
 from selforch_jax.trainers.optim import make_optimizer
 
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+# annotated rows (selforch_jax.data.annotated): the mask builder's bool [B, T, T] mask instead of
+# segment ids (DESIGN.md §2.1: the same mask the runtime decodes with)
+MASKED_BATCH_KEYS = ("tokens", "targets", "loss_mask", "positions", "mask")
 
 
 def trainable_filter(lora: bool, train_embed: bool):
@@ -52,6 +55,8 @@ class SFTTrainer:
     train_embed_rows_from: if >= 0, also train rows ``>= this`` of the embedding (and of
       an untied LM head) — the rows of newly added tokens; other rows stay frozen.
     rules: logical-axis rules.
+    masked: batches carry ``mask`` bool ``[B, T, T]`` (annotated data,
+      :mod:`selforch_jax.data.annotated`) instead of ``segment_ids`` int32 ``[B, T]``.
 
   Raises:
     ValueError: if ``lora`` is set but the model has no adapters, or the batch size does
@@ -59,7 +64,8 @@ class SFTTrainer:
   """
 
   def __init__(self, model: Transformer, mesh: Mesh, optim, total_steps: int, *,
-               lora: bool = False, train_embed_rows_from: int = -1, rules=shd.DEFAULT_RULES):
+               lora: bool = False, train_embed_rows_from: int = -1, rules=shd.DEFAULT_RULES,
+               masked: bool = False):
     if lora and not model.cfg.lora_rank:
       raise ValueError("lora=True but model.lora_rank == 0: set model.lora_rank > 0")
     self.cfg = model.cfg
@@ -81,7 +87,8 @@ class SFTTrainer:
         is_leaf=lambda x: isinstance(x, nnx.State))
     self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sh)(self.params)
     self.step = 0
-    self._batch_sh = {k: shd.batch_sharding(mesh, 2) for k in BATCH_KEYS}
+    self.batch_keys = MASKED_BATCH_KEYS if masked else BATCH_KEYS
+    self._batch_sh = {k: shd.batch_sharding(mesh, 3 if k == "mask" else 2) for k in self.batch_keys}
     self._train = jax.jit(
         self._train_step,
         in_shardings=(self.params_sh, self.frozen_sh, self.opt_sh, self._batch_sh),
@@ -95,7 +102,8 @@ class SFTTrainer:
   def loss_terms(self, params, frozen, batch) -> tuple[jax.Array, jax.Array]:
     """``(sum of token CE over loss-masked targets, token count)`` for one (micro-)batch."""
     model = nnx.merge(self.graphdef, params, frozen)
-    logits, _ = model(batch["tokens"], batch["positions"], segment_mask(batch["segment_ids"]))
+    mask = batch["mask"] if "mask" in batch else segment_mask(batch["segment_ids"])
+    logits, _ = model(batch["tokens"], batch["positions"], mask)
     return masked_loss_sum(logits, batch["targets"], batch["loss_mask"])
 
   def _grads(self, params, frozen, batch):
@@ -146,7 +154,10 @@ class SFTTrainer:
   # --- host API ---------------------------------------------------------------------------
   def put_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     """Place a process-local numpy batch on the mesh (batch axis over data x fsdp)."""
-    return shd.put_batch({k: batch[k] for k in BATCH_KEYS}, self.mesh)
+    missing = [k for k in self.batch_keys if k not in batch]
+    if missing:
+      raise KeyError(f"batch lacks {missing}; this trainer takes {list(self.batch_keys)}")
+    return shd.put_batch({k: batch[k] for k in self.batch_keys}, self.mesh)
 
   def train_step(self, batch: Mapping[str, np.ndarray]) -> dict[str, float]:
     """One optimizer step on a (process-local) batch. Returns host floats:
