@@ -1,8 +1,8 @@
 """The ``bonbon`` config section: iterated best-vs-worst preference optimization with an IPO
 loss plus an SFT term (BoNBoN, Gui et al. 2024; IPO, Azar et al. 2023; PASTA paper §4).
 
-Used by ``config.trainer == "bonbon"``; ``train.steps`` = optimizer steps in total, spread
-over ``rounds`` sampling rounds.
+Used by ``config.trainer == "bonbon"``; ``train.steps`` = sampling rounds (each re-samples
+with the updated policy, then runs ``updates_per_round`` optimizer steps on its pairs).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ def bonbon_defaults() -> ml_collections.ConfigDict:
 
   num_samples: N responses sampled per prompt (>= 2; best and worst form the pair).
   prompts_per_round: prompts sampled per round.
-  rounds: sampling rounds (each re-samples with the updated policy).
+  updates_per_round: optimizer steps per round (batches of ``pairs_per_step`` pairs drawn
+    cyclically from the round's pairs, in a seeded random order).
   pairs_per_step: preference pairs per optimizer step (the batch).
   max_new_tokens, temperature, top_k, top_p: sampling.
   alpha: weight of the SFT term (mean NLL per token of the best response).
@@ -31,7 +32,7 @@ def bonbon_defaults() -> ml_collections.ConfigDict:
   init_from, dataset, split, shuffle_seed, seed: as in ``grpo_defaults()``.
   """
   return ml_collections.ConfigDict(dict(
-      num_samples=4, prompts_per_round=4, rounds=2, pairs_per_step=2, max_new_tokens=64,
+      num_samples=4, prompts_per_round=4, updates_per_round=2, pairs_per_step=2, max_new_tokens=64,
       temperature=1.0, top_k=0, top_p=1.0, alpha=1.0, tau=0.1, score="pasta",
       quality_weight=1.0, quality="ref_nll", min_score_gap=0.0, scheduler="ar",
       scheduler_kwargs={}, layout_mask=False, num_pages=256, page_size=16,

@@ -42,8 +42,15 @@ def defaults() -> ml_collections.ConfigDict:
       steps=100, log_every=1, eval_every=0, eval_batches=4, checkpoint_every=50, keep=3,
       async_checkpoint=True, train_embed_rows_from=-1, seed=0))
   mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  from selforch_jax.trainers.bonbon_config import bonbon_defaults
+  from selforch_jax.trainers.grpo_config import grpo_defaults
+  # trainer: "sft" (this module's loop), "grpo" or "bonbon" (trainers/po_run.py)
   return ml_collections.ConfigDict(dict(model=model, data=data, optim=optim_defaults(),
-                                        train=train, mesh=mesh))
+                                        train=train, mesh=mesh, trainer="sft",
+                                        grpo=grpo_defaults(), bonbon=bonbon_defaults()))
+
+
+TRAINERS = ("sft", "grpo", "bonbon")
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
@@ -53,6 +60,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
 
   config_lib.validate(config, defaults())
   config_lib.validate_model(config.model)
+  if config.trainer not in TRAINERS:
+    raise config_lib.ConfigError(f"trainer={config.trainer!r} must be one of {TRAINERS}")
+  if config.trainer != "sft":
+    from selforch_jax.trainers.po_run import validate_po
+    validate_po(config)
   from selforch_jax.data.sources import DATASETS
   try:
     DataConfig.from_any(config.data)
