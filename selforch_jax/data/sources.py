@@ -19,6 +19,11 @@ alpaca        alpaca/alpaca_en_demo.json (train)     :func:`alpaca_to_messages`
 alpaca_eval   alpaca_eval/gpt4_1106_preview_         :func:`alpaca_eval_to_messages` (prompt
               model_outputs.json (test)              only; GPT-4 output kept as ``reference``)
 chat          any JSON/JSONL with ``messages``       :func:`chat_to_messages`
+math500       math500/test.jsonl (test)              :func:`math500_to_messages`
+aime          aime/aime_2024.jsonl (test),           :func:`aime_to_messages` (prompt only)
+              aime/aime_2025.jsonl (split "2025")
+synthetic_    synthetic_chain/{train,test}.jsonl     ``synthetic_chain.chain_to_messages``
+chain         (generated, see its PROVENANCE)        (register-annotated solution)
 ============  =====================================  ==========================================
 """
 
@@ -226,6 +231,38 @@ def prompt_and_reference(example: Mapping[str, Any]) -> tuple[list[dict[str, str
   return msgs, example.get("reference")
 
 
+def math500_to_messages(row: Mapping[str, Any]) -> dict[str, Any]:
+  """MATH-500 row ``{problem, solution, answer, ...}`` -> ``{"messages": [user, assistant],
+  "answer", "reference"}``: the worked solution (ending in ``\\boxed{}``) is the assistant turn;
+  ``reference`` is the bare ``answer`` (for :func:`selforch_jax.eval.answers.is_correct`).
+
+  Raises:
+    KeyError: if ``problem`` or ``answer`` is missing.
+  """
+  return {
+      "messages": [{"role": "user", "content": row["problem"]},
+                   {"role": "assistant", "content": row.get("solution") or row["answer"]}],
+      "answer": str(row["answer"]),
+      "reference": str(row["answer"]),
+  }
+
+
+def aime_to_messages(row: Mapping[str, Any]) -> dict[str, Any]:
+  """AIME row ``{id, problem, answer: int}`` -> a prompt-only example ``{"messages": [user],
+  "answer", "reference"}`` (no worked solution: evaluation only).
+
+  Raises:
+    KeyError: if ``problem`` or ``answer`` is missing.
+  """
+  return {"messages": [{"role": "user", "content": row["problem"]}],
+          "answer": str(row["answer"]), "reference": str(row["answer"]), "id": row.get("id")}
+
+
+def _synthetic_chain_to_messages(row: Mapping[str, Any]) -> dict[str, Any]:
+  from selforch_jax.data.synthetic_chain import chain_to_messages
+  return chain_to_messages(row)
+
+
 # name -> (converter, {split: default file under data_dir()})
 DATASETS: dict[str, tuple[Callable[[Mapping[str, Any]], dict[str, Any]], dict[str, str]]] = {
     "gsm8k": (gsm8k_to_messages, {"train": "gsm8k/train.jsonl", "test": "gsm8k/test.jsonl"}),
@@ -233,6 +270,11 @@ DATASETS: dict[str, tuple[Callable[[Mapping[str, Any]], dict[str, Any]], dict[st
     "alpaca_eval": (alpaca_eval_to_messages,
                     {"test": "alpaca_eval/gpt4_1106_preview_model_outputs.json"}),
     "chat": (chat_to_messages, {}),
+    "math500": (math500_to_messages, {"test": "math500/test.jsonl"}),
+    "aime": (aime_to_messages, {"test": "aime/aime_2024.jsonl", "2025": "aime/aime_2025.jsonl"}),
+    # TIP's synthetic task: assistant = the register-annotated solution (data.strip_tags: dense)
+    "synthetic_chain": (_synthetic_chain_to_messages,
+                        {"train": "synthetic_chain/train.jsonl", "test": "synthetic_chain/test.jsonl"}),
 }
 
 

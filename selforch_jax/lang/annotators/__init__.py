@@ -6,7 +6,7 @@ Importing this package registers every annotator, so ``get_annotator(name)`` kno
 from selforch_jax.lang.annotators.base import (
   Annotation, Annotator, annotator_names, get_annotator, register,
 )
-from selforch_jax.lang.annotators import tip_gsm8k  # noqa: F401  (register TIP annotators)
+from selforch_jax.lang.annotators import tip_gsm8k, tip_llm  # noqa: F401  (register TIP annotators)
 from selforch_jax.lang.annotators import pasta_rules  # noqa: F401,E402  registers "pasta_rules"
 
 __all__ = ["Annotation", "Annotator", "annotator_names", "get_annotator", "register"]
