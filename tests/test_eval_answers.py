@@ -241,3 +241,60 @@ def test_paired_diff_detects_shift():
 def test_format_ci():
   assert format_ci(dict(mean=0.4123, lo=0.33, hi=0.4971, n=100)) == "0.412 [0.330, 0.497] (n=100)"
   assert format_ci(dict(mean=1, lo=0, hi=2, n=3), digits=1) == "1.0 [0.0, 2.0] (n=3)"
+
+
+# --- TIP "must show" cases, exact fractions, MATH-style units, MATH-500 / AIME references -------
+
+
+def test_tip_must_show_answer_cases():
+  from fractions import Fraction
+
+  from selforch_jax.eval.answers import answer_fraction
+  cases = [("Total: 1000.\n#### 1,000", Fraction(1000)), ("He earns $9.50", Fraction(19, 2)),
+           ("So $\\boxed{8,000}$.", Fraction(8000)), ("$\\boxed{\\frac{1}{3}}$", Fraction(1, 3)),
+           ("\\boxed{12} ... so again \\boxed{12}.", Fraction(12)),
+           ("#### 72\nThe answer is 72 because 3 more apples", Fraction(72)),
+           ("\\boxed{\\frac{1}{3}} is the answer, since 2 > 1", Fraction(1, 3))]
+  for text, value in cases:
+    assert answer_fraction(normalize_answer(extract_answer(text))) == value, text
+
+
+def test_exact_fraction_comparison():
+  from fractions import Fraction
+
+  from selforch_jax.eval.answers import answer_fraction
+  assert answer_fraction("\\frac{2}{6}") == Fraction(1, 3)
+  assert answer_fraction("-\\frac{3}{4}") == Fraction(-3, 4)
+  assert answer_fraction("\\frac{-1}{3}") == Fraction(-1, 3)
+  assert answer_fraction("9.5") == Fraction(19, 2)
+  assert answer_fraction("\\frac{1}{0}") is None and answer_fraction("\\sqrt{2}") is None
+  assert is_correct("\\boxed{\\frac{2}{6}}", "1/3")
+  assert is_correct("\\boxed{2.5}", "\\frac{5}{2}")
+  assert is_correct("\\boxed{\\frac{-1}{3}}", "-1/3")
+  assert not is_correct("\\boxed{\\frac{1}{3}}", "\\frac{1}{4}")
+  # large numerators: exact, no float rounding either way
+  assert is_correct("\\boxed{\\frac{100000000000000001}{3}}", "\\frac{200000000000000002}{6}")
+
+
+def test_math_units_after_number_or_fraction():
+  assert normalize_answer("\\frac{1}{3}\\text{ of the cake}") == "\\frac{1}{3}"
+  assert normalize_answer("4\\text{ units}^2") == "4"
+  assert normalize_answer("5 \\mbox{ cm}^2") == "5"
+  assert normalize_answer("\\text{(C)}") == "(C)"          # a lone text answer is kept
+  assert normalize_answer("x\\text{ cm}") == "xcm"  # not dropped after a non-number
+  assert is_correct("\\boxed{033}", "33")                    # AIME zero padding
+
+
+def test_math500_and_aime_references_self_consistent():
+  rows = [json.loads(l) for l in open(REPO / "data/math500/test.jsonl", encoding="utf-8")]
+  assert len(rows) == 500
+  for r in rows:  # the boxed answer of every worked solution matches the answer field
+    assert is_correct(r["solution"], r["answer"]), r["unique_id"]
+  fr = rows[::25]
+  assert sum(is_correct(a["solution"], b["answer"]) for a, b in zip(fr, fr[1:])) <= 1
+  for name in ("aime_2024", "aime_2025"):
+    aime = [json.loads(l) for l in open(REPO / f"data/aime/{name}.jsonl", encoding="utf-8")]
+    assert len(aime) == 30
+    for r in aime:
+      assert is_correct(f"so the answer is $\\boxed{{{r['answer']}}}$.", str(r["answer"]))
+      assert not is_correct(f"\\boxed{{{r['answer'] + 1}}}", str(r["answer"]))

@@ -138,10 +138,11 @@ def evaluate_chain(defs, names) -> list[int]:
 
 
 def _expr(operands, ops) -> str:
-  parts = [str(operands[0])]
-  for op, x in zip(ops, operands[1:]):
-    parts += [op, str(x)]
-  return " ".join(parts)
+  """Left-to-right evaluation written with parentheses: ``(a + b) * c``."""
+  out = str(operands[0])
+  for k, (op, x) in enumerate(zip(ops, operands[1:])):
+    out = f"({out} {op} {x})" if k < len(ops) - 1 else f"{out} {op} {x}"
+  return out
 
 
 def generate_problem(rng: np.random.Generator, spec: ChainSpec = ChainSpec()) -> ChainProblem:

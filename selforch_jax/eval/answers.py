@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 import re
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 
-__all__ = ["extract_answer", "normalize_answer", "is_correct", "parse_number",
+__all__ = ["extract_answer", "normalize_answer", "is_correct", "parse_number", "answer_fraction",
            "last_boxed", "extract_reference_answer", "REL_TOL"]
 
 REL_TOL = 1e-6
@@ -40,6 +41,10 @@ _SLASH_FRAC_RE = re.compile(r"^([+-]?)(\d+)/(\d+)$")
 _TEXT_WRAPPERS = ("\\text", "\\textbf", "\\textit", "\\textrm", "\\mbox", "\\mathrm",
                   "\\mathbf", "\\mathit")
 _TEXT_WRAPPER_RE = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm|mathbf|mathit)\s*\{")
+# A trailing unit in a LaTeX text command, with an optional square/cube exponent.
+_UNIT_SUFFIX_RE = re.compile(
+  r"(.+?)\s*\\(?:text|mbox|mathrm)\s*\{\s*[A-Za-z][A-Za-z .]*\}(?:\s*\^\s*\{?\s*[23]\s*\}?)?", re.S)
+_FRAC_ARGS_RE = re.compile(r"[+-]?\\frac\s*(?:\{[^{}]+\}|\d)\s*(?:\{[^{}]+\}|\d)")
 # Trailing text that is units / words ("per hour", "dollars.", "km/h"): letters, spaces and
 # light punctuation only, no digits or LaTeX.
 _UNIT_TAIL_RE = re.compile(r"^\s+[A-Za-z][A-Za-z\s.,;:!'/\-]*$|^[\s.,;:!]*$")
@@ -257,7 +262,9 @@ def normalize_answer(s: str | None) -> str:
   2. removed: dollar signs (``\$`` and ``$``), ``\left`` and ``\right``, ``\displaystyle``, LaTeX
      spacing (``\!``, ``\,``, ``\:``, ``\;``, ``~``), percent signs (``\%``, ``%``), degree marks
      (``^\circ``, ``^{\circ}``, ``°``); ``{,}`` becomes ``,``; ``\dfrac`` and ``\tfrac`` become
-     ``\frac``;
+     ``\frac``; a trailing unit in ``\text{}``/``\mbox{}``/``\mathrm{}`` (optionally squared or
+     cubed) after a number or a fraction is dropped (``\frac{1}{3}\text{ of the cake}``,
+     ``4\text{ units}^2``);
   3. a leading single-letter assignment ``x = `` is dropped (``"x = 5"`` -> ``"5"``);
   4. a number followed by nothing, by trailing punctuation, by words after a space
      (``"9.50 per hour"``, ``"42 dollars."``) or by ``\text{...}`` units (``"5\text{ cm}"``)
@@ -296,6 +303,10 @@ def normalize_answer(s: str | None) -> str:
   s = s.replace("{,}", ",")
   s = re.sub(r"\\[dt]frac(?![A-Za-z])", r"\\frac", s)
   s = s.strip()
+  # 2b. trailing units after a number or fraction: "\frac{1}{3}\text{ of the cake}", "4\text{ units}^2"
+  m = _UNIT_SUFFIX_RE.fullmatch(s)
+  if m and (_NUMBER_RE.match(m.group(1).strip()) or _FRAC_ARGS_RE.fullmatch(m.group(1).strip())):
+    s = m.group(1).strip()
   # 3. leading "x = "
   s = re.sub(r"^[A-Za-z]\s*=\s*(?=\S)", "", s)
   # 4. number (+ units / trailing words)
@@ -350,6 +361,27 @@ def parse_number(s: str) -> float | None:
   return None
 
 
+def answer_fraction(s: str) -> Fraction | None:
+  r"""The exact rational value of a *normalized* answer, or None.
+
+  Plain decimals (``"9.5"`` -> 19/2) and fractions of decimals (``"\frac{1}{3}"``,
+  ``"-\frac{3}{4}"``, ``"\frac{-1}{3}"``) have one; anything else (``\sqrt``, tuples) or a zero
+  denominator gives None. Exact, so ``\frac{1}{3}`` equals ``\frac{2}{6}`` and not ``0.333333``.
+  """
+  def dec(x: str) -> Fraction | None:
+    x = x.strip()
+    return Fraction(Decimal(x.replace(",", ""))) if _NUMBER_RE.match(x) else None
+  if _NUMBER_RE.match(s):
+    return dec(s)
+  m = _FRAC_RE.match(s)
+  if m:
+    num, den = dec(m.group(2)), dec(m.group(3))
+    if num is None or den is None or den == 0:
+      return None
+    return num / den * (-1 if m.group(1) == "-" else 1)
+  return None
+
+
 def is_correct(prediction_text: str | None, reference_answer: str,
                fallback: str | None = "last_number", rel_tol: float = REL_TOL) -> bool:
   r"""Whether a model output's final answer matches the reference.
@@ -358,7 +390,8 @@ def is_correct(prediction_text: str | None, reference_answer: str,
   :func:`extract_answer` (with ``fallback``). ``reference_answer`` is a GSM8K solution (the
   answer after the last ``####`` is used), a MATH solution (its last ``\boxed{}``) or a bare
   answer (see :func:`extract_reference_answer`). Both are put through
-  :func:`normalize_answer`; they match when the normalized strings are equal, or when both
+  :func:`normalize_answer`; they match when the normalized strings are equal, when both have
+  the same exact rational value (:func:`answer_fraction`), or when both
   parse as numbers (:func:`parse_number`) and ``|a - b| <= rel_tol * max(|a|, |b|)``, except
   that two integers (both written without a decimal point or fraction) must be equal exactly, so
   that ``1450001`` does not match ``1450000``.
@@ -372,6 +405,9 @@ def is_correct(prediction_text: str | None, reference_answer: str,
     return False
   if p == r:
     return True
+  fa, fb = answer_fraction(p), answer_fraction(r)
+  if fa is not None and fb is not None and fa == fb:
+    return True  # equal as exact fractions (\frac{2}{6} = 1/3, 2.5 = \frac{5}{2})
   a, b = parse_number(p), parse_number(r)
   if a is None or b is None:
     return False
