@@ -1,0 +1,519 @@
+"""The PASTA scheduler: promised chunks decoded as parallel AR threads in one KV pool.
+
+PASTA (Jin et al., ICML 2025, "Learning to Keep a Promise: Scaling Language Model Decoding
+Parallelism with Learned Asynchronous Decoding"; DESIGN.md §3, thesis_systems.md §1). The
+model writes a PLAN of ``<promise> TOPIC N </promise>`` entries in its main thread; when it
+emits ``<async>`` the runtime forks one thread per promise and decodes them together; when
+every thread has closed, the runtime feeds ``<sync/>`` and the main thread continues, seeing
+every chunk.
+
+Every token's position, segment and visible segments come from
+:class:`~selforch_jax.lang.mask.LayoutBuilder` in stream mode (the ``lang`` package's
+"Runtime recipe"), so decoding uses the same rules as the training mask
+(:func:`~selforch_jax.lang.mask.build_layout`):
+
+* prompt tokens and main-thread tokens are fed with ``stream=None``;
+* the main thread's ``<async>`` while a round is open (promises with a length were made) is
+  the fork: it becomes thread 0's first token, and the runtime feeds ``<async>`` as the first
+  token of threads ``1..n-1`` (``stream=k``) in the same engine step — no KV is copied, each
+  thread gets a new page-table owner and a new segment that sees the prefix and the PLAN up to
+  the end of its promise;
+* every engine step runs the next token of every live thread of every request (continuous
+  batching in one flat KV row); a thread ends at its ``</async>``, at its cap
+  ``max(2·10·N, cap)`` or at an EOS it generated (parser rules ``chunk_cap``,
+  ``eos_in_thread``); the token that ends it is still run (its K/V is part of the chunk the
+  join sees), its logits are discarded;
+* when the last live thread ends, ``<sync/>`` is fed and run *in the same step* (it sees the
+  chunk tokens written by that step, which the step mask allows), and its logits give the main
+  thread's next token;
+* a prompt that ends with ``<async>`` after a PLAN (a teacher-forced plan) forks at once.
+
+Malformed output (the parser's degradation rules) never stops decoding and loses no text:
+a promise without a length gets no thread, nested tags inside a thread are thread text, a
+thread that never closes is closed at its cap, EOS inside a PLAN joins (forced), and a job
+that runs out of ``max_new_tokens`` with live threads is finished by ``LayoutBuilder.finish``
+(forced closes and join). A request is *well-formed* iff no ``Degraded`` event occurred.
+
+Per request (:class:`PastaStats`):
+
+* ``tokens``: response tokens in canonical order (tags and runtime-fed tags included) plus
+  the stop token when there is one;
+* ``forwards``: engine steps that ran a token of this request, prefill included (the critical
+  path in forwards: each is one sequential model call for this request);
+* ``theoretical_speedup = tokens / forwards``: AR decoding of the same tokens needs one
+  forward per token (AR through this definition is exactly 1.0); ``content_tokens`` (the
+  de-tagged logical text) over ``forwards`` is the same without tags.
+* ``wall_s``: wall-clock seconds from the request's prefill to its last step.
+
+The final text is :func:`selforch_jax.lang.assemble` of the canonical sequence (logical
+order: each chunk at the place of its promise; a teacher-forced PLAN in the prompt is
+included, from its first promise on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from selforch_jax.decoding.generate import GenerationResult
+from selforch_jax.decoding.sampling import SamplingParams, sample_token
+from selforch_jax.lang import (
+  MAIN, AsyncClosed, EndOfText, LayoutBuilder, PromiseClosed, RegisterUse, Sync, TagVocab,
+  assemble,
+)
+from selforch_jax.lang.parser import DEFAULT_CAP
+from selforch_jax.lang.tags import TOKENS_PER_UNIT
+from selforch_jax.runtime.engine import Engine, bucket_size
+from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run
+
+__all__ = ["PASTAScheduler", "PastaStats", "sample_rows", "generate"]
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _sample_padded(logits, key, step, params: SamplingParams):
+  tok = sample_token(logits, jax.random.fold_in(key, step), params)
+  lp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tok[:, None], axis=1)[:, 0]
+  return tok, lp
+
+
+def sample_rows(logits: jax.Array, rows: Sequence[int], key: jax.Array, step: int,
+                params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+  """Sample one token from each of ``logits[rows]`` with :func:`~selforch_jax.decoding.sampling.
+  sample_token` (key ``fold_in(key, step)``), rows padded to a power of two so few shapes compile.
+
+  Args:
+    logits: float32 ``[T, V]`` device array. rows: R row indices. key: PRNG key.
+    step: the scheduler's step counter. params: :class:`SamplingParams`.
+
+  Returns:
+    ``(tokens int32[R], logprobs float32[R])`` (natural log) as numpy arrays.
+  """
+  rows = np.asarray(rows, np.int32)
+  R = rows.size
+  padded = np.concatenate([rows, np.full(bucket_size(R) - R, rows[0], np.int32)])
+  tok, lp = jax.device_get(_sample_padded(jnp.take(logits, padded, axis=0), key, step, params))
+  return np.asarray(tok[:R]), np.asarray(lp[:R])
+
+
+@dataclasses.dataclass
+class PastaStats:
+  """Per-request figures (see the module docstring for the definitions).
+
+  Attributes:
+    tokens: response tokens, tags and runtime-fed tags included, plus the stop token if any.
+    sampled_tokens: tokens drawn from the model (stop token included).
+    content_tokens: tokens of the final de-tagged text (:func:`~selforch_jax.lang.assemble`).
+    forwards: engine steps that ran a token of this request (prefill included).
+    tokens_per_forward / theoretical_speedup: ``tokens / forwards`` (the same number; AR = 1).
+    wall_s: seconds from the request's prefill to its last step.
+    rounds: joined rounds; threads: threads forked; max_parallel: largest number of threads
+      decoded in one step.
+    degraded: the degradation rules that applied (``"<index>: <rule>"``).
+    well_formed: no degradation rule applied.
+  """
+
+  tokens: int
+  sampled_tokens: int
+  content_tokens: int
+  forwards: int
+  theoretical_speedup: float
+  wall_s: float
+  rounds: int
+  threads: int
+  max_parallel: int
+  degraded: tuple[str, ...]
+  well_formed: bool
+
+  @property
+  def tokens_per_forward(self) -> float:
+    """``tokens / forwards``."""
+    return self.theoretical_speedup
+
+
+class _Request:
+  """One prompt's decoding state (main thread, live threads, layout)."""
+
+  def __init__(self, prompt: list[int], tv: TagVocab, cap, length_unit: int):
+    self.prompt = prompt
+    self.builder = LayoutBuilder(tv, cap=cap, length_unit=length_unit)
+    self.round_lengths: list[int] = []   # N of the promises of the open round
+    self.plan_start: int | None = None   # feed index of the open round's first <promise>
+    self.prompt_plan_start: int | None = None
+    self.main: list[int] = []            # canonical response tokens, main thread so far
+    self.main_lp: list[float] = []
+    self.main_injected: list[bool] = []
+    self.threads: dict[int, list[int]] = {}
+    self.threads_lp: dict[int, list[float]] = {}
+    self.threads_inj: dict[int, list[bool]] = {}
+    self.live: list[int] = []            # live thread indices
+    self.pending: dict[int, int] = {}    # stream -> token to feed in the next step
+    self.pending_injected: dict[int, bool] = {}
+    self.pending_lp: dict[int, float] = {}
+    self.pending_src: dict[int, int | None] = {}  # stream -> query index that sampled it
+    self.pred_map: dict[int, int] = {}   # builder index -> index of the query that sampled it
+    self.slot_of: dict[int, int] = {}    # builder index -> pool slot (until evicted)
+    self.seg_map: dict[int, int] = {}    # builder segment -> engine segment
+    self.owner_of: dict[int, int] = {}   # stream (MAIN or thread key) -> owner
+    self.thread_owner_key = 0
+    self.stop_token: int | None = None
+    self.finish_reason: str | None = None
+    self.forwards = 0
+    self.sampled = 0
+    self.rounds = 0
+    self.n_threads = 0
+    self.max_parallel = 0
+    self.t0: float | None = None
+    self.t1: float | None = None
+
+  @property
+  def done(self) -> bool:
+    return self.finish_reason is not None
+
+  def response_len(self) -> int:
+    return len(self.main) + sum(len(t) for t in self.threads.values())
+
+  def track(self, events) -> None:
+    """Follow rounds from the parser events (which promises await threads)."""
+    for e in events:
+      if isinstance(e, PromiseClosed) and e.promise is not None:
+        if e.promise == 0:
+          self.plan_start = e.open_index + self.builder.document_offset
+        self.round_lengths.append(int(e.length))
+      elif isinstance(e, (Sync, EndOfText)) and (not isinstance(e, Sync) or e.round is not None):
+        self.round_lengths = []
+        self.plan_start = None
+
+  def flush_threads(self) -> None:
+    """Move the joined round's thread tokens into the canonical main sequence."""
+    for k in sorted(self.threads):
+      self.main += self.threads[k]
+      self.main_lp += self.threads_lp[k]
+      self.main_injected += self.threads_inj[k]
+    self.threads, self.threads_lp, self.threads_inj = {}, {}, {}
+
+
+class PASTAScheduler(Scheduler):
+  """Greedy / sampled PASTA decoding of a batch of prompts (see the module docstring).
+
+  Args:
+    prompts: B non-empty lists of int token ids (a prompt may end with a PLAN and ``<async>``:
+      a teacher-forced plan forks at once).
+    tag_vocab: the vocabulary's :class:`TagVocab`.
+    max_new_tokens: most response tokens per prompt (canonical order, tags and runtime-fed
+      tags included); a request reaching it is finished with forced closes and join.
+    sampling: :class:`SamplingParams` (greedy by default); the key of step i is
+      ``fold_in(PRNGKey(seed), i)`` over all rows sampled in that step.
+    stop_ids: ids that end the main thread (not included in the output); inside a thread they
+      end that thread (parser rule ``eos_in_thread``). They are added to ``tag_vocab.eos_ids``.
+    cap: floor of a thread's budget ``max(2·length_unit·N, cap)`` (None: unlimited).
+    length_unit: tokens per promise unit N (10 in DESIGN.md §3).
+    owner_base / segment_base: first owner / segment id this job uses (it allocates more as
+      threads fork); segments below ``segment_base`` stay invisible.
+
+  After :func:`~selforch_jax.runtime.scheduler.run`: :attr:`results` (one
+  :class:`GenerationResult` per prompt; ``token_ids`` canonical, tags included, stop excluded;
+  ``logprobs`` 0.0 at runtime-fed tags, see :attr:`injected`), :attr:`stats`
+  (:class:`PastaStats`), :meth:`text_ids` (final logical-order ids), :meth:`layout` (the
+  stream-mode layout of prompt + response), :attr:`owners` (every owner used).
+
+  Raises:
+    ValueError: empty batch or prompt, ``max_new_tokens < 1``.
+  """
+
+  def __init__(self, prompts: Sequence[Sequence[int]], tag_vocab: TagVocab, max_new_tokens: int,
+               sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
+               cap: int | None = DEFAULT_CAP, length_unit: int = TOKENS_PER_UNIT,
+               owner_base: int = 0, segment_base: int = 0):
+    if not prompts or any(len(p) == 0 for p in prompts):
+      raise ValueError("PASTAScheduler needs at least one prompt, none empty")
+    if max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    self.stops = frozenset(int(s) for s in stop_ids)
+    self.tv = dataclasses.replace(tag_vocab,
+                                  eos_ids=tuple(sorted(set(tag_vocab.eos_ids) | self.stops)))
+    self.max_new = int(max_new_tokens)
+    self.sampling = sampling
+    self.key = jax.random.PRNGKey(sampling.seed)
+    self.reqs = [_Request(list(map(int, p)), self.tv, cap, length_unit) for p in prompts]
+    self._next_owner = int(owner_base)
+    self._seg_base = int(segment_base)
+    G = max(16, 2 * (segment_base + 1))
+    self._visible = np.zeros((G, G), bool)
+    self._nseg = segment_base
+    self._prefilled = 0
+    self._free_next: list[int] = []
+    self.owners: list[int] = []
+    self.step = 0
+    self.results: list[GenerationResult] | None = None
+    self.stats: list[PastaStats] | None = None
+    self.injected: list[list[bool]] | None = None
+
+  # ---- ids ------------------------------------------------------------------------------------
+  def _new_owner(self) -> int:
+    o = self._next_owner
+    self._next_owner += 1
+    self.owners.append(o)
+    return o
+
+  def _engine_segment(self, r: _Request, bseg: int) -> int:
+    g = r.seg_map.get(bseg)
+    if g is not None:
+      return g
+    sees = [self._engine_segment(r, s) for s in sorted(r.builder.visible_segments(bseg)) if s != bseg]
+    g = self._nseg
+    self._nseg += 1
+    if g >= self._visible.shape[0]:
+      n = 2 * self._visible.shape[0]
+      v = np.zeros((n, n), bool)
+      v[:g, :g] = self._visible[:g, :g]
+      self._visible = v
+    self._visible[g, g] = True
+    self._visible[g, sees] = True
+    r.seg_map[bseg] = g
+    return g
+
+  def _feed(self, r: _Request, token: int, stream: int | None, q: dict) -> None:
+    """Feed one token to the request's builder and append its query to ``q``."""
+    b = r.builder
+    ev = b.feed(token, stream)
+    r.track(ev)
+    i = b.num_tokens - 1
+    key = MAIN if stream is None else stream
+    q["tokens"].append(token)
+    q["positions"].append(b.position_of(i))
+    q["segments"].append(self._engine_segment(r, b.segment_of(i)))
+    q["owners"].append(r.owner_of[key])
+    q["index"].append(i)
+    q["req"].append(r)
+    q["closed"].append(any(isinstance(e, AsyncClosed) and e.stream == key for e in ev))
+    src = r.pending_src.pop(key, None)
+    if src is not None:
+      r.pred_map[i] = src
+    off = b.document_offset
+    for e in ev:  # TIP registers (inside threads too): the killed step is evicted before the step
+      if isinstance(e, RegisterUse):
+        q["evict"].extend(r.slot_of.pop(j + off) for j in e.killed if j + off in r.slot_of)
+
+  # ---- the scheduler interface -----------------------------------------------------------------
+  def next_step(self) -> StepPlan | None:
+    if self.results is not None:
+      return None
+    free = tuple(self._free_next)
+    self._free_next = []
+    q = dict(tokens=[], positions=[], segments=[], owners=[], index=[], closed=[], evict=[],
+             req=[])
+    meta = []  # (request, stream, needs_logits) per query
+    if self._prefilled < len(self.reqs):
+      ri = self._prefilled
+      r = self.reqs[ri]
+      r.t0 = time.perf_counter()
+      r.owner_of[MAIN] = self._new_owner()
+      prompt = r.prompt
+      fork = False
+      if len(prompt) > 1 and prompt[-1] == self.tv.async_open:
+        # a teacher-forced PLAN: fork at once if the prompt's promises opened a round
+        probe = _Request(prompt[:-1], self.tv, r.builder.cap, r.builder.length_unit)
+        for t in prompt[:-1]:
+          probe.track(probe.builder.feed(t))
+        fork = bool(probe.round_lengths)
+      body = prompt[:-1] if fork else prompt
+      for t in body:
+        self._feed(r, t, None, q)
+        meta.append((ri, MAIN, False))
+      r.prompt_plan_start = r.plan_start
+      if fork:
+        self._fork(r, self.tv.async_open, 0.0, injected=True)
+        return StepPlan(tokens=q["tokens"], positions=q["positions"], segments=q["segments"],
+                        owners=q["owners"], visible=self._tables()[0], bidir=self._tables()[1],
+                        free_owners=free, evict=q["evict"], tag=("prefill", ri, meta, q))
+      meta[-1] = (ri, MAIN, True)
+      return StepPlan(tokens=q["tokens"], positions=q["positions"], segments=q["segments"],
+                      owners=q["owners"], visible=self._tables()[0], bidir=self._tables()[1],
+                      free_owners=free, tag=("prefill", ri, meta, q))
+    for ri, r in enumerate(self.reqs):
+      if r.done:
+        continue
+      if r.live:
+        closed_now = []
+        for k in list(r.live):
+          tok = r.pending.pop(k)
+          r.threads[k].append(tok)
+          r.threads_lp[k].append(r.pending_lp.pop(k))
+          r.threads_inj[k].append(r.pending_injected.pop(k))
+          self._feed(r, tok, k, q)
+          closed = q["closed"][-1]
+          meta.append((ri, k, not closed))
+          if closed:
+            closed_now.append(k)
+        r.max_parallel = max(r.max_parallel, len(r.live))
+        for k in closed_now:
+          r.live.remove(k)
+        if not r.live:  # join in the same step: <sync/> sees the chunks written by this step
+          r.flush_threads()
+          r.main.append(self.tv.sync)
+          r.main_lp.append(0.0)
+          r.main_injected.append(True)
+          self._feed(r, self.tv.sync, None, q)
+          r.rounds += 1
+          meta.append((ri, MAIN, True))
+      else:
+        tok = r.pending.pop(MAIN)
+        r.main.append(tok)
+        r.main_lp.append(r.pending_lp.pop(MAIN))
+        r.main_injected.append(r.pending_injected.pop(MAIN))
+        self._feed(r, tok, None, q)
+        meta.append((ri, MAIN, True))
+    if not q["tokens"]:
+      return None
+    vis, bidir = self._tables()
+    return StepPlan(tokens=q["tokens"], positions=q["positions"], segments=q["segments"],
+                    owners=q["owners"], visible=vis, bidir=bidir, free_owners=free,
+                    evict=q["evict"], tag=("decode", None, meta, q))
+
+  def _tables(self):
+    G = self._nseg
+    return self._visible[:G, :G], np.zeros(G, bool)
+
+  def _fork(self, r: _Request, first: int, first_lp: float, injected: bool,
+            src: int | None = None) -> None:
+    """Start one thread per promise of the open round; thread 0's first token is ``first``."""
+    n = len(r.round_lengths)
+    r.live = list(range(n))
+    r.n_threads += n
+    for k in range(n):
+      r.owner_of[k] = self._new_owner()
+      r.threads[k], r.threads_lp[k], r.threads_inj[k] = [], [], []
+      r.pending[k] = self.tv.async_open
+      r.pending_lp[k] = first_lp if k == 0 else 0.0
+      r.pending_injected[k] = injected if k == 0 else True
+      r.pending_src[k] = src if k == 0 else None
+
+  def on_step(self, plan: StepPlan, result: StepResult) -> None:
+    _, _, meta, q = plan.tag
+    for r, i, slot in zip(q["req"], q["index"], np.asarray(result.slots).tolist()):
+      r.slot_of[i] = slot
+    touched = {m[0] for m in meta}
+    for ri in touched:
+      self.reqs[ri].forwards += 1
+    if plan.tag[0] == "prefill":
+      self._prefilled += 1
+    rows = [j for j, m in enumerate(meta) if m[2]]
+    if rows:
+      toks, lps = sample_rows(result.logits, rows, self.key, self.step, self.sampling)
+      self.step += 1
+      for j, t, lp in zip(rows, toks.tolist(), lps.tolist()):
+        ri, stream, _ = meta[j]
+        self._on_token(self.reqs[ri], stream, int(t), float(lp), q["index"][j])
+    now = time.perf_counter()
+    for ri in touched:
+      r = self.reqs[ri]
+      r.t1 = now
+      if not r.done and r.response_len() + len(r.pending) >= self.max_new:
+        self._finish(r, "length")
+    if self._prefilled == len(self.reqs) and all(r.done for r in self.reqs):
+      self._finalize()
+
+  def _on_token(self, r: _Request, stream: int, tok: int, lp: float, from_index: int) -> None:
+    r.sampled += 1
+    if stream == MAIN:
+      if tok in self.stops:
+        r.stop_token = tok
+        self._finish(r, "stop")
+        return
+      if tok == self.tv.async_open and r.round_lengths:
+        self._fork(r, tok, lp, injected=False, src=from_index)
+        return
+    r.pending[stream], r.pending_lp[stream], r.pending_injected[stream] = tok, lp, False
+    r.pending_src[stream] = from_index
+
+  def _finish(self, r: _Request, reason: str) -> None:
+    """End a request. Sampled tokens not yet run are appended (they need no K/V), then
+    ``LayoutBuilder.finish`` force-closes live threads and joins."""
+    for k in sorted(r.pending):
+      tok = r.pending[k]
+      ev = r.builder.feed(tok, None if k == MAIN else k)
+      r.track(ev)
+      src = r.pending_src.get(k)
+      if src is not None:
+        r.pred_map[r.builder.num_tokens - 1] = src
+      lst, lps, inj = ((r.main, r.main_lp, r.main_injected) if k == MAIN else
+                       (r.threads[k], r.threads_lp[k], r.threads_inj[k]))
+      lst.append(tok)
+      lps.append(r.pending_lp[k])
+      inj.append(r.pending_injected[k])
+    r.builder.finish()
+    if r.threads:
+      r.flush_threads()
+    r.live, r.pending = [], {}
+    r.finish_reason = reason
+    r.t1 = time.perf_counter()
+    self._free_next += [o for o in r.owner_of.values()]
+
+  def _finalize(self) -> None:
+    self.results, self.stats, self.injected = [], [], []
+    for r in self.reqs:
+      self.results.append(GenerationResult(list(r.main), list(r.main_lp), r.finish_reason))
+      self.injected.append(list(r.main_injected))
+      stop = r.stop_token is not None
+      tokens = len(r.main) + int(stop)
+      notes = r.builder.layout().notes
+      self.stats.append(PastaStats(
+          tokens=tokens, sampled_tokens=r.sampled, content_tokens=len(self._text_ids(r)),
+          forwards=r.forwards, theoretical_speedup=tokens / max(r.forwards, 1),
+          wall_s=(r.t1 or 0.0) - (r.t0 or 0.0), rounds=r.rounds, threads=r.n_threads,
+          max_parallel=r.max_parallel, degraded=tuple(notes), well_formed=not notes))
+
+  # ---- outputs --------------------------------------------------------------------------------
+  def _text_ids(self, r: _Request) -> list[int]:
+    head = r.prompt[r.prompt_plan_start:] if r.prompt_plan_start is not None else []
+    if head and head[-1] == self.tv.async_open and r.main[:1] != [self.tv.async_open]:
+      head = head[:-1]
+    cap = r.builder.cap
+    return assemble(head + r.main, self.tv, cap=cap, length_unit=r.builder.length_unit)
+
+  def text_ids(self, i: int) -> list[int]:
+    """Final token ids of request ``i`` in logical order, tags stripped (a teacher-forced PLAN
+    in the prompt is included from its first promise on)."""
+    return self._text_ids(self.reqs[i])
+
+  def layout(self, i: int):
+    """The stream-mode :class:`~selforch_jax.lang.Layout` of request ``i`` (prompt + response
+    in feed order)."""
+    return self.reqs[i].builder.layout()
+
+  def sampled_from(self, i: int) -> dict[int, int]:
+    """``{builder index j: builder index q}``: token j (fed) was sampled from query q's
+    logits (tokens fed by the runtime and prompt tokens are absent)."""
+    return dict(self.reqs[i].pred_map)
+
+
+def generate(engine: Engine, prompts: Sequence[Sequence[int]], tag_vocab: TagVocab, *,
+             max_new_tokens: int, free_after: bool = True, **kw) -> PASTAScheduler:
+  """PASTA decoding of ``prompts`` on ``engine`` (fresh owner / segment ids).
+
+  Args:
+    engine: an :class:`Engine` with room for every request.
+    prompts, tag_vocab, max_new_tokens, **kw: as :class:`PASTAScheduler`.
+    free_after: release every owner's pages at the end.
+
+  Returns:
+    The finished :class:`PASTAScheduler` (``results``, ``stats``, ``text_ids``, ``layout``).
+
+  Raises:
+    PoolExhausted: the pool is too small.
+  """
+  owner_base = max(engine.pool.owners(), default=-1) + 1
+  segment_base = int(engine.pool.segment.max(initial=-1)) + 1
+  sched = PASTAScheduler(prompts, tag_vocab, max_new_tokens, owner_base=owner_base,
+                         segment_base=segment_base, **kw)
+  run(engine, sched)
+  if free_after:
+    for o in sched.owners:
+      engine.pool.free_owner(int(o))
+  return sched
