@@ -78,3 +78,12 @@ def _ar(engine: Engine, prompts: Sequence[Sequence[int]], **kw) -> Scheduler:
   from selforch_jax.runtime.ar import ARScheduler
   owner_base, segment_base = fresh_bases(engine)
   return ARScheduler(prompts, owner_base=owner_base, segment_base=segment_base, **kw)
+
+
+@register("tip")
+def _tip(engine: Engine, prompts: Sequence[Sequence[int]], **kw) -> Scheduler:
+  """TIP: AR decoding where reusing a thought register evicts the dead step's KV pages
+  (:class:`~selforch_jax.runtime.tip.TIPScheduler`; needs ``tag_vocab``, takes
+  ``max_new_tokens``, ``sampling``, ``stop_ids``)."""
+  from selforch_jax.runtime.tip import TIPScheduler
+  return TIPScheduler(engine, prompts, **kw)
