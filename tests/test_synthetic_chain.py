@@ -69,8 +69,9 @@ def test_many_intermediates_die_early():
     for i in range(len(p.uses)):
       users = [j for j, u in enumerate(p.uses) if i in u]
       ends.append((max(users) if users else i) - i)
-  # measured on this generator: ~45% of steps are killed, most live ranges span <= 3 steps
-  assert np.mean(killed) > 0.3
+  # measured on this generator (seed 0, 500 problems): 63% of steps are killed, every live range
+  # spans <= 3 steps (window 3)
+  assert np.mean(killed) > 0.5
   assert np.mean(np.asarray(ends) <= 3) > 0.8
 
 
