@@ -42,7 +42,7 @@ NUMBERED = ("Here are three tips:\n1. Sleep well every night.\n"
 
 
 def test_registered():
-  assert "pasta_rules" in annotator_names()
+  assert "pasta_rules" in annotator_names() and "pasta_llm" in annotator_names()
 
 
 def test_numbered_list_exact_canonical_form(tok_tv, rules):
@@ -184,3 +184,114 @@ def test_report_figures_by_hand():
   json.dumps(r)
   with pytest.raises(ValueError):
     annotation_report([])
+
+
+# ---- LLM annotator -------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_endpoint():
+  """A local OpenAI-compatible chat endpoint returning canned replies; records the requests."""
+  import http.server
+  import threading
+
+  state = {"replies": [], "requests": []}
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 - http.server hook
+      body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+      state["requests"].append({"path": self.path, "auth": self.headers.get("Authorization"),
+                                "body": body})
+      reply = state["replies"].pop(0)
+      if isinstance(reply, int):
+        self.send_response(reply)
+        self.end_headers()
+        return
+      data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]})
+      self.send_response(200)
+      self.send_header("Content-Type", "application/json")
+      self.end_headers()
+      self.wfile.write(data.encode())
+
+    def log_message(self, *a):
+      pass
+
+  srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+  th = threading.Thread(target=srv.serve_forever, daemon=True)
+  th.start()
+  state["base_url"] = f"http://127.0.0.1:{srv.server_address[1]}/v1"
+  yield state
+  srv.shutdown()
+  srv.server_close()
+
+
+def test_llm_annotator_against_local_endpoint(tok_tv, rules, fake_endpoint):
+  from selforch_jax.lang.annotators.pasta_llm import LANGUAGE
+  tok, tv = tok_tv
+  good = rules.annotate("", NUMBERED).text
+  changed = good.replace("Exercise daily.", "Exercise weekly.")
+  unclosed = good.replace("</async><sync/>", "")
+  fenced = "```\n" + good + "\n```"
+  fake_endpoint["replies"] = [good, changed, unclosed, 500, fenced, NUMBERED]
+  llm = get_annotator("pasta_llm", tokenizer=tok, base_url=fake_endpoint["base_url"],
+                      model="annotator-x", api_key="k123")
+  a = llm.annotate("Give me tips.", NUMBERED)
+  assert a.text == good and a.info["chunks"] == 3 and a.info["lengths"] == rules.annotate(
+      "", NUMBERED).info["lengths"]
+  req = fake_endpoint["requests"][0]
+  assert req["path"] == "/v1/chat/completions" and req["auth"] == "Bearer k123"
+  msgs = req["body"]["messages"]
+  assert req["body"]["model"] == "annotator-x" and msgs[0] == {"role": "system", "content": LANGUAGE}
+  assert len(msgs) == 1 + 2 * 3 + 1 and NUMBERED in msgs[-1]["content"]
+  assert "Give me tips." in msgs[-1]["content"]
+  r = llm.annotate("", NUMBERED)   # a word changed
+  assert r.text is None and r.info["rejected"].startswith("words: changed at word")
+  r = llm.annotate("", NUMBERED)   # last chunk never closed, no join
+  assert r.text is None and r.info["rejected"].startswith("parse:")
+  r = llm.annotate("", NUMBERED)   # HTTP 500
+  assert r.text is None and r.info["rejected"].startswith("backend: RuntimeError: HTTP 500")
+  assert llm.annotate("", NUMBERED).text == good   # code fence removed
+  r = llm.annotate("", NUMBERED)   # the response given back unchanged
+  assert r.text is None and r.info == {"reason": "no round"}
+  assert len(fake_endpoint["requests"]) == 6
+
+
+def test_llm_examples_are_valid_and_unreachable_endpoint(tok_tv):
+  from selforch_jax.lang.annotators.pasta_llm import EXAMPLES, ChatBackend, PastaLLMAnnotator
+
+  class Echo(ChatBackend):
+    def complete(self, messages):
+      return messages[-1]["content"]
+
+  llm = PastaLLMAnnotator(tok_tv[0], backend=Echo())
+  for _, resp, ann in EXAMPLES[:2]:
+    a = llm.validate(resp, ann)
+    assert a.text == ann and a.info["chunks"] == 3
+    assert a.info["lengths"] == [math.ceil(t / 10) for t in a.info["chunk_tokens"]]
+  assert llm.validate(EXAMPLES[2][1], EXAMPLES[2][2]).info == {"reason": "no round"}
+  dead = get_annotator("pasta_llm", tokenizer=tok_tv[0], base_url="http://127.0.0.1:9/v1",
+                       model="m")
+  r = dead.annotate("", NUMBERED)
+  assert r.text is None and r.info["rejected"].startswith("backend:")
+  with pytest.raises(ValueError, match="tokenizer"):
+    PastaLLMAnnotator(None, backend=Echo())
+
+
+def test_llm_engine_backend_is_our_greedy_decode(tok_tv):
+  """The engine backend's reply is the greedy continuation of the chat-templated prompt
+  (checked against the foundation's Generator on a toy-width model with the real tokenizer)."""
+  from selforch_jax.decoding.generate import Generator
+  from selforch_jax.lang.annotators.pasta_llm import EngineChatBackend, PastaLLMAnnotator
+  from selforch_jax.models.config import get_preset
+  from selforch_jax.models.transformer import init_model
+  tok, tv = tok_tv
+  model = init_model(get_preset("tiny_smollm2", vocab_size=tok.vocab_size), 0)
+  backend = EngineChatBackend(model, tok, max_new_tokens=6, page_size=64)
+  msgs = [{"role": "user", "content": "Name two colors."}]
+  reply = backend.complete(msgs)
+  ids = tok.encode_chat(msgs, add_generation_prompt=True)
+  ref, _ = Generator(model).generate([ids], max_new_tokens=6, stop_ids=tok.stop_ids)
+  assert reply == tok.decode(ref[0].token_ids) and len(ref[0].token_ids) >= 1
+  # a random model's rewrite is rejected (its words are not the response's), never raised
+  llm = PastaLLMAnnotator(tok, backend=backend)
+  a = llm.validate(NUMBERED, reply)
+  assert a.text is None and a.info["rejected"].startswith(("words:", "parse:"))
