@@ -108,3 +108,26 @@ def test_layout_logprobs_equal_engine_decoding(model, fwd, kind):
     np.testing.assert_allclose(lp[:n - 1][m], want[m], atol=2e-5)
   if kind != "pasta":
     assert killed > 0  # evictions happened
+
+
+def test_tip_rollouts_train_equals_decode(model, fwd):
+  """TIP rollouts (register reuse evicts KV pages at decode time): the training rows' mask is
+  the layout of what ran, and the forward's log-probs equal the sampler's. The prompts reuse
+  registers, so steps are evicted before the response is decoded."""
+  r0, r1 = TV.registers[:2]
+  prompts = [[5, r0, 17, 18, r1, 99, r0, 4], [7, r1, 8, 9, r1, 30]]
+  ro = sample(model, prompts, max_new_tokens=40, stop_id=None, group_size=3, scheduler="tip",
+              sampling=SamplingParams(temperature=1.0, seed=0), num_pages=128, page_size=4,
+              tag_vocab=TV)
+  b = to_batch(ro.prompts, ro.responses, 64, tag_vocab=TV)
+  lp = np.asarray(fwd(b))
+  killed = 0
+  for i, (p, r) in enumerate(zip(ro.prompts, ro.responses)):
+    ids = np.asarray(p + r)
+    lay = build_layout(ids, TV, eos_ids=())
+    killed += int((lay.kill_at < lay.num_tokens).sum())
+    n = len(ids)
+    np.testing.assert_array_equal(b["mask"][i, :n - 1, :n - 1], lay.token_mask()[:-1, :-1])
+    got = lp[i, len(p) - 1:n - 1]
+    np.testing.assert_allclose(got, ro.sampler_logprobs[i], atol=2e-5)
+  assert killed > 0, "no register reuse: the test would not exercise eviction"

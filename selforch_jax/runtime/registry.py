@@ -62,7 +62,8 @@ def make_scheduler(name: str, engine: Engine, prompts: Sequence[Sequence[int]],
     engine: the :class:`Engine` the job will run on.
     prompts: B non-empty lists of int token ids.
     **kw: the system's own options (for "ar": ``max_new_tokens``, ``sampling``,
-      ``stop_ids``).
+      ``stop_ids``); every factory accepts ``tag_vocab`` (the model's
+      :class:`~selforch_jax.lang.tags.TagVocab`, or None).
 
   Raises:
     KeyError: unknown ``name`` (the message lists the registered ones).
@@ -73,8 +74,9 @@ def make_scheduler(name: str, engine: Engine, prompts: Sequence[Sequence[int]],
 
 
 @register("ar")
-def _ar(engine: Engine, prompts: Sequence[Sequence[int]], **kw) -> Scheduler:
-  """Plain AR decoding (:class:`~selforch_jax.runtime.ar.ARScheduler`)."""
+def _ar(engine: Engine, prompts: Sequence[Sequence[int]], tag_vocab=None, **kw) -> Scheduler:
+  """Plain AR decoding (:class:`~selforch_jax.runtime.ar.ARScheduler`); ``tag_vocab`` is
+  accepted and unused (tags are decoded as ordinary tokens)."""
   from selforch_jax.runtime.ar import ARScheduler
   owner_base, segment_base = fresh_bases(engine)
   return ARScheduler(prompts, owner_base=owner_base, segment_base=segment_base, **kw)

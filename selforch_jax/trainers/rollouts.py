@@ -66,7 +66,8 @@ class Rollouts:
 def sample(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_id: int | None,
            scheduler: str = "ar", group_size: int = 1,
            sampling: SamplingParams = SamplingParams(), num_pages: int = 256,
-           page_size: int = 16, scheduler_kwargs: Mapping[str, Any] | None = None) -> Rollouts:
+           page_size: int = 16, scheduler_kwargs: Mapping[str, Any] | None = None,
+           tag_vocab=None) -> Rollouts:
   """Sample ``group_size`` responses per prompt with scheduler ``scheduler``.
 
   Args:
@@ -80,6 +81,8 @@ def sample(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
     sampling: :class:`SamplingParams` (temperature 0 = greedy: the G copies are then equal).
     num_pages, page_size: the engine's KV pool.
     scheduler_kwargs: extra options of the scheduler.
+    tag_vocab: the model's :class:`~selforch_jax.lang.tags.TagVocab` (passed to the scheduler
+      when given; "tip" and "pasta" need it).
 
   Returns:
     :class:`Rollouts`.
@@ -96,8 +99,11 @@ def sample(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
   rows = [list(map(int, p)) for p in prompts for _ in range(group_size)]
   engine = Engine(model, num_pages=num_pages, page_size=page_size)
   stop_ids = () if stop_id is None else (int(stop_id),)
+  kw = dict(scheduler_kwargs or {})
+  if tag_vocab is not None:
+    kw["tag_vocab"] = tag_vocab
   sched = make_scheduler(scheduler, engine, rows, max_new_tokens=max_new_tokens,
-                         sampling=sampling, stop_ids=stop_ids, **dict(scheduler_kwargs or {}))
+                         sampling=sampling, stop_ids=stop_ids, **kw)
   t0 = time.perf_counter()
   run(engine, sched)
   dt = time.perf_counter() - t0
