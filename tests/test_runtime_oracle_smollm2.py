@@ -4,11 +4,12 @@ one annotated sequence of each kind, built from real text tokens.
 Tolerance. In float32 this 30-layer model's logits (magnitude ~35) differ by up to ~1.5e-4
 between two shapes of the *same* training forward (the sequence alone vs. padded to 128, both with
 ``Layout.token_mask()``), and by ~1.4e-4 between the foundation's own cached decode and its full
-forward on a plain causal prompt. 1e-5 absolute is below float32's floor here, so this test
-asserts ``max |engine - training| < 5e-4`` (~1.5e-5 of the logit range), identical argmax on every
-row, and — so that the tolerance still separates right from wrong — negative controls whose
-errors are > 100x larger (a sibling thread made visible; register evictions skipped). The
-1e-5 bound itself is asserted on the tiny model (``test_runtime_oracle.py``).
+forward on a plain causal prompt. 1e-5 absolute is below float32's floor here, so the issue's
+1e-5 is asserted relative to the logit scale: ``max |engine - training| < 1e-5 * max |training
+logit|`` (measured: ~1.3e-4 absolute, ~4e-6 relative), with identical argmax on every row and —
+so that the tolerance still separates right from wrong — negative controls whose errors are
+> 1000x the bound (a sibling thread made visible; register evictions skipped). The absolute 1e-5
+bound is asserted on the tiny model (``test_runtime_oracle.py``).
 """
 
 import jax
@@ -25,7 +26,7 @@ from selforch_jax.runtime.oracle import plan_groups, replay
 from selforch_jax.tokenizers import HFTokenizer
 
 PAD_TO = 128
-TOL = 5e-4
+RTOL = 1e-5  # relative to max |logit| of the training forward
 TEXT = ("Rivers carve valleys over thousands of years, while mountains rise where plates collide; "
         "the sea stores heat and moves it slowly around the planet.")
 
@@ -68,7 +69,8 @@ def test_train_equals_decode_smollm2(setup):
                          max_group=8, order=order)
     out = _replay(engine, lay, groups)
     errs[kind] = float(np.abs(out - ref).max())
-    assert errs[kind] < TOL, (kind, errs[kind])
+    bound = RTOL * float(np.abs(ref).max())
+    assert errs[kind] < bound, (kind, errs[kind], bound)
     np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))
     if kind == "pasta":    # negative control: chunk 1 also sees its sibling chunk 0
       chunks = np.flatnonzero(lay.segment_streams >= 0)
@@ -81,4 +83,4 @@ def test_train_equals_decode_smollm2(setup):
                     kill_at=np.full(n, n))
       controls[kind] = float(np.abs(bad - ref).max())
   print("engine vs training forward, max |logit diff|:", errs, "controls:", controls)
-  assert min(controls.values()) > 100 * TOL
+  assert min(controls.values()) > 1000 * bound
