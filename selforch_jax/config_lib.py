@@ -9,6 +9,7 @@ the wrong type, or an inconsistent value fails with an error that names the key.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import ml_collections
@@ -188,6 +189,11 @@ def parse_flags(argv: list[str]) -> list[str]:
     if len(msg) > 1 and msg[0] == msg[-1] and msg[0] in "'\"":  # KeyError-style repr
       msg = msg[1:-1]
     msg = msg.replace("\\n", " ").replace("\n", " ").replace("\\'", "'")
+    if "Traceback (most recent call last)" in msg:  # get_config raised: keep its error line only
+      last = list(re.finditer(r"(?:^|\s)([A-Za-z_][\w.]*(?:Error|Exception)): ", msg))
+      if last:
+        head = msg.split("Traceback (most recent call last)")[0].rstrip(" :")
+        msg = f"{head}: {msg[last[-1].end():].strip()}"
     if isinstance(e, (AttributeError, KeyError)):
       key = msg.split()[0].strip("'\"") if msg else ""
       bad = [a.split("=")[0] for a in argv
