@@ -3,6 +3,8 @@
 Run (the whole train split, K = 8)::
 
   python -m selforch_jax.lang.annotators.tip_report --split=train --num_registers=8
+  # the synthetic chain task (gold dependence graphs):
+  python -m selforch_jax.lang.annotators.tip_report --data=synthetic_chain --split=train
 
 Prints (and with ``--out`` writes) JSON: fraction annotated, steps per solution, graph register
 pressure, resident (not yet killed) steps, evicted steps, the share of solution tokens dead by the
@@ -11,12 +13,14 @@ end, and mean live KV vs dense over the decode steps, on the SmolLM2 tokenizatio
 
 from __future__ import annotations
 
-from selforch_jax.lang.annotators.tip_gsm8k import TipGSM8KAnnotator
+from selforch_jax.lang.annotators.tip_gsm8k import (
+  TipGSM8KAnnotator, annotate_with_graph, split_steps,
+)
 from selforch_jax.lang.tags import DEFAULT_NUM_REGISTERS
 
 
 def main(argv=None) -> None:
-  """Annotation report on a GSM8K split: fraction annotated, steps per solution, live steps
+  """Annotation report on a GSM8K (or synthetic_chain, with its gold graphs) split: fraction annotated, steps per solution, live steps
   (mean / peak vs total) and the share of solution tokens dead (evicted) by the end and in the
   mean over decode steps, measured on the SmolLM2 token layout (:func:`build_layout`)."""
   import argparse
@@ -30,20 +34,26 @@ def main(argv=None) -> None:
   from selforch_jax.lang.tags import add_tags
 
   ap = argparse.ArgumentParser(description=main.__doc__)
+  ap.add_argument("--data", default="gsm8k", choices=("gsm8k", "synthetic_chain"))
   ap.add_argument("--split", default="train")
   ap.add_argument("--num_registers", type=int, default=DEFAULT_NUM_REGISTERS)
   ap.add_argument("--spill", default="merge")
   ap.add_argument("--max_examples", type=int, default=None)
   ap.add_argument("--out", default=None, help="write the report JSON here")
   a = ap.parse_args(argv)
-  rows = read_jsonl(f"gsm8k/{a.split}.jsonl")[:a.max_examples]
+  rows = read_jsonl(f"{a.data}/{a.split}.jsonl")[:a.max_examples]
   tok = config_lib.load_tokenizer("smollm2_gguf")
   tv = add_tags(tok, None, a.num_registers)
   ann = TipGSM8KAnnotator(a.num_registers, a.spill)
   n_ok, steps, mlive, pres, mres, frac_steps_evicted = 0, [], [], [], [], []
   dead_end, live_mean, live_mean_prompt, merged = [], [], [], 0
   for row in rows:
-    out = ann.annotate(row["question"], row["answer"])
+    if a.data == "gsm8k":
+      out = ann.annotate(row["question"], row["answer"])
+    else:
+      steps_ = split_steps(row["solution"])
+      out = annotate_with_graph(steps_, [set(u) for u in row["uses"]], len(steps_) - 1,
+                                a.num_registers, a.spill)
     if out.text is None:
       continue
     n_ok += 1
@@ -67,7 +77,7 @@ def main(argv=None) -> None:
     q = len(tok.encode(row["question"]))  # with a never-evicted prompt in front
     live_mean_prompt.append(float((live + q).sum() / (dense + q).sum()))
   rep = {
-    "split": a.split, "num_registers": a.num_registers, "spill": a.spill, "rows": len(rows),
+    "data": a.data, "split": a.split, "num_registers": a.num_registers, "spill": a.spill, "rows": len(rows),
     "annotated": n_ok, "fraction_annotated": n_ok / max(len(rows), 1),
     "steps_per_solution_mean": float(np.mean(steps)), "steps_per_solution_max": int(np.max(steps)),
     "graph_max_live_mean": float(np.mean(mlive)), "graph_max_live_peak": int(np.max(mlive)),
