@@ -89,3 +89,14 @@ def _tip(engine: Engine, prompts: Sequence[Sequence[int]], **kw) -> Scheduler:
   ``max_new_tokens``, ``sampling``, ``stop_ids``)."""
   from selforch_jax.runtime.tip import TIPScheduler
   return TIPScheduler(engine, prompts, **kw)
+
+
+@register("pasta")
+def _pasta(engine: Engine, prompts: Sequence[Sequence[int]], **kw) -> Scheduler:
+  """PASTA parallel-thread decoding (:class:`~selforch_jax.runtime.pasta.PASTAScheduler`);
+  ``kw``: ``tag_vocab`` (required), ``max_new_tokens``, ``sampling``, ``stop_ids``, ``cap``,
+  ``length_unit``. ``results[i].token_ids`` are canonical (threads in promise order)."""
+  from selforch_jax.runtime.pasta import PASTAScheduler
+  owner_base, segment_base = fresh_bases(engine)
+  tv = kw.pop("tag_vocab")
+  return PASTAScheduler(prompts, tv, owner_base=owner_base, segment_base=segment_base, **kw)

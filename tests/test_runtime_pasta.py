@@ -1,0 +1,180 @@
+"""PASTA scheduler on tiny random models (must-show tests of issue 5).
+
+* Greedy: every thread's tokens equal a sequential decode of that thread alone (plain engine
+  steps, one segment) with exactly the context the layout's mask gives the thread; the plan is
+  teacher-forced (prompt = prefix + PLAN + ``<async>``), so threads really fork.
+* The scheduler's own step grouping replayed as a training forward: for every sampled token,
+  the full-sequence forward with the builder's mask (``Layout.token_mask``) has the same argmax
+  (greedy) / the same log-probability (sampled) at the query that produced it.
+* Malformed plans: a model over a 23-token vocabulary (7 tags) sampled at high temperature
+  writes promises without lengths, nested tags, threads that never close, EOS in threads and
+  in plans; every request finishes and keeps all its text.
+"""
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from selforch_jax.decoding.sampling import SamplingParams
+from selforch_jax.lang import Promise, Round, TagVocab, assemble, batch_layouts, serialize
+from selforch_jax.models.config import get_preset
+from selforch_jax.models.transformer import init_model
+from selforch_jax.runtime import pasta, registry
+from selforch_jax.runtime.engine import Engine
+from selforch_jax.runtime.scheduler import run
+
+BASE = 256
+TV = TagVocab.appended(BASE, 4, eos_ids=[2], digit_ids=range(48, 58), space_ids=[32])
+PAD_TO = 128
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  model = init_model(get_preset("tiny_llama", vocab_size=BASE + 11), seed=5)
+  graphdef, state = nnx.split(model)
+  fwd = jax.jit(lambda st, t, p, m: nnx.merge(graphdef, st)(t, p, m)[0])
+  return model, state, fwd
+
+
+def _full(fwd, state, layout):
+  b = batch_layouts([layout], PAD_TO)
+  return np.asarray(fwd(state, b["tokens"], b["positions"], b["mask"]))[0, :layout.num_tokens]
+
+
+def _forced_plan_prompt():
+  prefix = [70, 71, 72, 73, 74]
+  plan = [75, Promise((80, 81), 1), 76, Promise((82,), 2), Promise((83, 84), 1), 77]
+  return serialize(prefix + [Round(plan=tuple(plan), sync=False)], TV) + [TV.async_open]
+
+
+def test_threads_equal_sequential_decode_of_each_thread(tiny):
+  model, state, fwd = tiny
+  engine = Engine(model, num_pages=64, page_size=4)
+  prompt = _forced_plan_prompt()
+  sched = pasta.generate(engine, [prompt], TV, max_new_tokens=60, length_unit=2, cap=4,
+                         stop_ids=[2])
+  st = sched.stats[0]
+  lay = sched.layout(0)
+  thread_segs = np.flatnonzero(lay.segment_streams >= 0)
+  assert st.threads == 3 and len(thread_segs) == 3 and st.max_parallel == 3
+  assert st.rounds == 1 and st.forwards < st.tokens  # parallel steps: fewer forwards than tokens
+  mask = lay.token_mask()
+  solo = Engine(model, num_pages=64, page_size=4)
+  one = (np.ones((1, 1), bool), np.zeros(1, bool))
+  for s in thread_segs:
+    idx = np.flatnonzero(lay.segment_ids == s)
+    first = idx[0]
+    assert lay.token_ids[first] == TV.async_open
+    ctx = np.flatnonzero(mask[first])[:-1]       # what the thread's <async> sees, itself excluded
+    assert np.all(lay.streams[ctx] == -1)          # prefix + PLAN only: no sibling thread
+    toks = list(lay.token_ids[ctx]) + [TV.async_open]
+    pos = list(lay.positions[ctx]) + [lay.positions[first]]
+    logits, _ = solo.run_step(toks, pos, np.zeros(len(toks)), 0, *one)
+    got = [TV.async_open]
+    p = lay.positions[first]
+    while len(got) < idx.size:
+      t = int(np.asarray(logits)[-1].argmax())
+      got.append(t)
+      p += 1
+      logits, _ = solo.run_step([t], [p], [0], 0, *one)
+    assert got == lay.token_ids[idx].tolist(), (s, got, lay.token_ids[idx].tolist())
+    solo.pool.free_owner(0)
+  # the join and the continuation: every sampled token is the argmax of the training forward
+  full = _full(fwd, state, lay)
+  src = sched.reqs[0].pred_map
+  assert len(src) == st.sampled_tokens - (sched.results[0].finish_reason == "stop")
+  for j, q in src.items():
+    assert full[q].argmax() == lay.token_ids[j], (j, q)
+  after_sync = np.flatnonzero(lay.token_ids == TV.sync)
+  assert after_sync.size == 1 and any(j > after_sync[0] for j in src)
+
+
+def test_sampled_logprobs_equal_training_forward_and_ar_equivalence(tiny):
+  model, state, fwd = tiny
+  engine = Engine(model, num_pages=128, page_size=4)
+  prompts = [_forced_plan_prompt(), [90, 91, 92], [100, 101, 102, 103, 104, 105]]
+  sp = SamplingParams(temperature=1.0, seed=11)
+  sched = pasta.generate(engine, prompts, TV, max_new_tokens=40, length_unit=2, cap=4,
+                         sampling=sp, stop_ids=[2])
+  assert engine.pool.owners() == []
+  for i in range(len(prompts)):
+    lay = sched.layout(i)
+    full = np.asarray(jax.nn.log_softmax(_full(fwd, state, lay), -1))
+    res = sched.results[i]
+    inj = sched.injected[i]
+    assert len(res.token_ids) == len(res.logprobs) == len(inj) <= 32
+    lp_of = {}
+    n_prompt = len(prompts[i]) - (1 if i == 0 else 0)
+    for j, q in sched.reqs[i].pred_map.items():
+      lp_of[j] = full[q, lay.token_ids[j]]
+    # canonical response order: map the stream-mode layout's response tokens by value/order
+    sampled_lps = [lp for lp, x in zip(res.logprobs, inj) if not x]
+    assert len(sampled_lps) == len(lp_of)
+    np.testing.assert_allclose(sorted(sampled_lps), sorted(lp_of.values()), atol=2e-4)
+  # a plain prompt on a model that never plans: PASTA == AR (same tokens, 1 token per forward)
+  ar = registry.make_scheduler("ar", engine, [prompts[1]], max_new_tokens=12,
+                               sampling=SamplingParams(), stop_ids=[2])
+  run(engine, ar)
+  p = registry.make_scheduler("pasta", engine, [prompts[1]], tag_vocab=TV, max_new_tokens=12,
+                              stop_ids=[2])
+  run(engine, p)
+  if not any(TV.is_tag(t) for t in ar.results[0].token_ids):
+    assert p.results[0].token_ids == ar.results[0].token_ids
+    assert p.stats[0].theoretical_speedup == pytest.approx(1.0)
+
+
+# ---- malformed plans: a small vocabulary where tags are frequent --------------------------
+SB = 16  # ids 0..15: 2 = EOS, 3..12 digits, 13 space, 0, 1, 14, 15 text; tags 16..22
+STV = TagVocab.appended(SB, 0, eos_ids=[2], digit_ids=range(3, 13), space_ids=[13])
+
+
+def test_malformed_plans_finish_with_all_text_kept():
+  model = init_model(get_preset("tiny_llama", vocab_size=SB + 7), seed=2)
+  engine = Engine(model, num_pages=256, page_size=4)
+  rules = collections.Counter()
+  forks = stops_in_plan = 0
+  # a PLAN with a promise without a length (no thread for it) and three with lengths
+  bad = [STV.promise_open, 14, STV.promise_close]
+  forced = ([0] + bad + serialize([Round(plan=(Promise((14,), 1), 1, Promise((15, 0), 2),
+                                               Promise((1,), 3)), sync=False)], STV)
+            + [STV.async_open])
+  kinds = ("plain", "forced", "open_plan")
+  for seed in range(2):
+    # plain prompts; prompts ending in a PLAN + <async> (teacher-forced fork: threads of random
+    # text); prompts ending in an open PLAN (the model itself must write <async> to fork)
+    prompts = [[0, 1, 14, 15][: 1 + (i % 4)] + [14] * (i % 2) if i % 3 == 0 else
+               forced if i % 3 == 1 else forced[:-1] for i in range(9)]
+    sched = pasta.generate(engine, prompts, STV, max_new_tokens=32, length_unit=1, cap=4,
+                           sampling=SamplingParams(temperature=4.0, seed=seed), stop_ids=[2])
+    for i in range(len(prompts)):
+      r = sched.reqs[i]
+      res = sched.results[i]
+      assert res.finish_reason in ("stop", "length")
+      assert len(res.token_ids) <= 32
+      rules.update(n.split(": ")[1] for n in sched.stats[i].degraded)
+      forks += sched.stats[i].threads > 0 and kinds[i % 3] == "open_plan"
+      if kinds[i % 3] == "forced":   # the promise without a length gets no thread
+        assert sched.stats[i].threads >= 3 and sched.stats[i].max_parallel == 3
+      stops_in_plan += res.finish_reason == "stop" and bool(r.round_lengths)
+      # every generated non-tag token is in the final text (with topics kept: as a multiset)
+      kept = assemble(res.token_ids, STV, keep_topics=True, cap=4, length_unit=1)
+      plain = lambda ids: collections.Counter(t for t in ids if not STV.is_tag(t))
+      assert plain(kept) == plain(res.token_ids)
+      text = sched.text_ids(i)
+      assert plain(text) <= plain(prompts[i] + res.token_ids)   # a forced PLAN's text included
+      if kinds[i % 3] == "plain":
+        assert plain(text) == plain(assemble(res.token_ids, STV, cap=4, length_unit=1))
+      # the stream-mode layout holds exactly prompt + response tokens (a forced PLAN's final
+      # <async> is thread 0's first response token)
+      n_prompt = len(prompts[i]) - (kinds[i % 3] == "forced")
+      assert sched.layout(i).num_tokens == n_prompt + len(res.token_ids)
+      assert sched.stats[i].well_formed == (not sched.stats[i].degraded)
+  assert engine.pool.owners() == []
+  assert forks > 0   # the model itself planned and forked at least once
+  for rule in ("promise_without_length", "tag_in_chunk", "chunk_cap", "eos_in_thread",
+               "stray_tag", "tag_in_promise"):
+    assert rules[rule] > 0, (rule, rules)
+  assert stops_in_plan > 0 or rules["unclosed_promise"] > 0, rules
