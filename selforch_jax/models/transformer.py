@@ -158,7 +158,7 @@ def merge_lora(layer_params: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]
   return out
 
 
-def attention(q, k, v, mask, dtype):
+def attention(q, k, v, mask, dtype, return_mass: bool = False):
   """Grouped-query attention over an explicit visibility mask.
 
   Args:
@@ -166,9 +166,12 @@ def attention(q, k, v, mask, dtype):
     k, v: ``[B, S, K, Dh]`` keys / values, ``H % K == 0``.
     mask: ``[B, T, S]`` bool, True where the query may see the key.
     dtype: compute dtype of the two matmuls; softmax runs in float32.
+    return_mass: also return the attention mass per key (H2O's accumulated attention,
+      Zhang et al. 2023): float32 ``[B, S]``, the attention probabilities summed over heads
+      and queries, masked entries counted as 0 (a fully masked padding query adds nothing).
 
   Returns:
-    ``[B, T, H, Dh]`` in ``dtype``.
+    ``[B, T, H, Dh]`` in ``dtype`` (and the ``[B, S]`` mass with ``return_mass``).
   """
   B, T, H, Dh = q.shape
   K = k.shape[2]
@@ -178,6 +181,9 @@ def attention(q, k, v, mask, dtype):
   scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype))
+  if return_mass:
+    mass = jnp.where(mask[:, None, None, :, :], probs.astype(jnp.float32), 0.0).sum((1, 2, 3))
+    return out.reshape(B, T, H, Dh), mass
   return out.reshape(B, T, H, Dh)
 
 
@@ -202,7 +208,8 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
                kv_cache: KVCache | None = None, cache_index: jax.Array | int | None = None,
-               *, write_slots: jax.Array | None = None, return_hidden: bool = False) -> tuple[jax.Array, KVCache | None]:
+               *, write_slots: jax.Array | None = None, return_hidden: bool = False,
+               return_attn_mass: bool = False) -> tuple:
     """Forward pass.
 
     Args:
@@ -210,7 +217,10 @@ class Transformer(nnx.Module):
       positions: ``[B, T]`` int32 RoPE position ids.
       mask: ``[B, T, S]`` bool visibility (query x key). Without a cache, ``S == T``
         and keys are the T tokens themselves; with a cache, ``S == kv_cache.max_len``
-        and keys are the cache slots after this call's writes.
+        and keys are the cache slots after this call's writes. Or an attention backend: a
+        callable ``mask(q [B,T,H,Dh], keys [B,S,K,Dh], values) -> [B,T,H,Dh]`` with a ``shape``
+        of ``(B, T, S)`` that applies its own visibility (the engine's paged kernel path,
+        :class:`selforch_jax.runtime.paged_backend.PagedAttentionMask`).
       kv_cache: optional :class:`KVCache`; the T new keys/values are written to its
         slots before attention: ``[cache_index, cache_index + T)`` of every row, or the
         slots ``write_slots[b, t]`` (a paged pool seen as a flat slot array).
@@ -219,9 +229,13 @@ class Transformer(nnx.Module):
         of ``cache_index`` / ``write_slots`` is required with ``kv_cache``. Slots must be
         distinct within a row.
       return_hidden: return the final hidden states ``[B, T, D]`` instead of logits.
+      return_attn_mass: also return float32 ``[B, S]``, the attention probabilities each key
+        received, summed over layers, heads and the T queries (H2O's accumulated attention
+        score, Zhang et al. 2023). Off by default (then the program is unchanged).
 
     Returns:
-      ``(logits [B, T, V] float32, new_cache)`` (``new_cache`` is None without a cache).
+      ``(logits [B, T, V] float32, new_cache)`` (``new_cache`` is None without a cache);
+      ``(logits, new_cache, attn_mass)`` with ``return_attn_mass``.
 
     Raises:
       ValueError: on inconsistent shapes (checked at trace time).
@@ -265,41 +279,49 @@ class Transformer(nnx.Module):
         keys, values, cache_kv = ck, cv, (ck, cv)
       else:
         keys, values = k, v
-      a = attention(q, keys, values, mask, dtype)
+      if callable(mask):  # an attention backend, e.g. runtime.paged_backend.PagedAttentionMask
+        if return_attn_mass:
+          raise ValueError("return_attn_mass needs a dense mask, not an attention backend")
+        a, mass = mask(q, keys, values), None
+      elif return_attn_mass:
+        a, mass = attention(q, keys, values, mask, dtype, return_mass=True)
+      else:
+        a, mass = attention(q, keys, values, mask, dtype), None
       x = x + proj(a, p, "o_proj", "bthk,hkd->btd", dtype, ls)
       h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
       g = proj(h, p, "gate_proj", "btd,df->btf", dtype, ls)
       u = proj(h, p, "up_proj", "btd,df->btf", dtype, ls)
       x = x + proj(jax.nn.silu(g) * u, p, "down_proj", "btf,fd->btd", dtype, ls)
-      return x, cache_kv
+      return x, cache_kv, mass
 
     if cfg.remat:
       layer = jax.checkpoint(layer)
 
     if kv_cache is None:
       def body(x, p):
-        x, _ = layer(x, p, None)
-        return x, None
-      x, _ = jax.lax.scan(body, x, params)
+        x, _, mass = layer(x, p, None)
+        return x, mass
+      x, masses = jax.lax.scan(body, x, params)
       new_cache = None
     else:
       def body(carry, xs):
         x, ck_all, cv_all = carry
         p, i = xs
-        x, (ck, cv) = layer(x, p, (ck_all[i], cv_all[i]))
+        x, (ck, cv), mass = layer(x, p, (ck_all[i], cv_all[i]))
         ck_all = jax.lax.dynamic_update_index_in_dim(ck_all, ck, i, axis=0)
         cv_all = jax.lax.dynamic_update_index_in_dim(cv_all, cv, i, axis=0)
-        return (x, ck_all, cv_all), None
-      (x, k_all, v_all), _ = jax.lax.scan(
+        return (x, ck_all, cv_all), mass
+      (x, k_all, v_all), masses = jax.lax.scan(
           body, (x, kv_cache.k, kv_cache.v), (params, jnp.arange(cfg.num_layers)))
       new_cache = KVCache(k=k_all, v=v_all)
 
     x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+    extra = (masses.sum(0),) if return_attn_mass else ()
     if return_hidden:
-      return x, new_cache
+      return (x, new_cache) + extra
     head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
     logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
-    return logits, new_cache
+    return (logits, new_cache) + extra
 
 
 def causal_mask(valid: jax.Array) -> jax.Array:

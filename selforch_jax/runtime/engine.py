@@ -8,8 +8,10 @@ query tokens against the pool::
 
   step(tokens[T], positions[T], write_slots[T], mask[T, S]) -> logits[T, V]
 
-It writes the T new K/V into ``write_slots`` and attends over all S slots with ``mask``
-(the model's dense-mask jnp attention, the reference path; DESIGN.md §2.3). T is padded to
+It writes the T new K/V into ``write_slots`` and attends over all S slots with ``mask``:
+on CPU the model's dense-mask jnp attention (the reference path; DESIGN.md §2.3), on a GPU the
+Pallas paged kernel over the pool's alive bits and segment metadata
+(:mod:`~selforch_jax.runtime.paged_backend`; ``Engine(attention=...)`` chooses). T is padded to
 a power of two (1, 2, 4, 8, ...), so a run compiles at most ``log2(T_max) + 1`` programs;
 padding queries write to out-of-range slots (XLA scatter drops out-of-bounds updates) and
 see nothing. The KV cache is donated, so the pool is updated in place. The jitted function
@@ -32,15 +34,29 @@ from flax import nnx
 from selforch_jax.models.transformer import KVCache, Transformer
 from selforch_jax.runtime.kv_pool import KVPool, PoolExhausted
 from selforch_jax.runtime.mask import step_mask
+from selforch_jax.runtime.paged_backend import (
+    PagedAttentionMask, build_paged_mask, default_attention_impl,
+)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _jitted_step(graphdef, state, cache, tokens, positions, write_slots, mask):
   """The engine step (module level, so engines of the same model structure share compiles)."""
   model = nnx.merge(graphdef, state)
-  logits, cache = model(tokens[None], positions[None], mask[None], cache,
+  mask = mask if isinstance(mask, PagedAttentionMask) else mask[None]
+  logits, cache = model(tokens[None], positions[None], mask, cache,
                         write_slots=write_slots[None])
   return logits[0], cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _jitted_step_attn_mass(graphdef, state, cache, tokens, positions, write_slots, mask):
+  """:func:`_jitted_step` that also returns float32 ``[S]``: the attention mass each slot got
+  in this step, summed over layers, heads and queries (H2O's accumulated attention)."""
+  model = nnx.merge(graphdef, state)
+  logits, cache, mass = model(tokens[None], positions[None], mask[None], cache,
+                              write_slots=write_slots[None], return_attn_mass=True)
+  return logits[0], cache, mass[0]
 
 
 def bucket_size(n: int) -> int:
@@ -58,6 +74,15 @@ class Engine:
       ``model`` are not seen).
     num_pages: pages in the pool.
     page_size: tokens per page.
+    attention: ``"reference"``: the model's dense-mask jnp attention over a ``bool [T, S]`` mask
+      from :func:`~selforch_jax.runtime.mask.step_mask`; ``"paged"``: the Pallas paged kernel
+      over the pool's per-slot metadata (:mod:`~selforch_jax.runtime.paged_backend`; dead and
+      invisible pages skipped); ``"auto"``: paged on a GPU, reference elsewhere.
+    interpret: run the paged kernel in Pallas interpret mode (CPU tests).
+    record_attn_mass: also compute, every step, the attention mass per slot (float32 ``[S]``,
+      summed over layers, heads and the step's queries) into :attr:`last_attn_mass` (H2O
+      eviction needs it). Off by default: the step is then the plain program. May be toggled
+      between steps (each setting compiles its own program once).
 
   Attributes:
     cfg: the model config. pool: the :class:`KVPool`. cache: the device :class:`KVCache`
@@ -65,13 +90,27 @@ class Engine:
     num_steps / num_query_tokens: steps run and real (unpadded) query tokens processed.
     buckets_used: the padded step sizes this engine has run (each compiled once per model
     structure and S, shared by all engines).
+    last_attn_mass: float32 ``[S]`` device array of the latest step when
+    ``record_attn_mass`` (padding queries add nothing), else None.
 
   Raises:
     ValueError: non-positive ``num_pages`` or ``page_size``.
   """
 
-  def __init__(self, model: Transformer, num_pages: int, page_size: int):
+  def __init__(self, model: Transformer, num_pages: int, page_size: int, *,
+               record_attn_mass: bool = False, attention: str = "auto",
+               interpret: bool = False):
+    if attention == "auto":
+      attention = default_attention_impl()
+    if attention not in ("reference", "paged"):
+      raise ValueError(f"attention must be 'auto', 'reference' or 'paged', got {attention!r}")
+    if attention == "paged" and record_attn_mass:
+      raise ValueError("record_attn_mass needs attention='reference' (the dense mask path)")
+    self.attention = attention
+    self.interpret = bool(interpret)
     self.cfg = model.cfg
+    self.record_attn_mass = bool(record_attn_mass)
+    self.last_attn_mass = None
     self.graphdef, self.state = nnx.split(model)
     self.pool = KVPool.for_model_config(self.cfg, num_pages, page_size)
     self.num_slots = self.pool.num_slots
@@ -90,7 +129,9 @@ class Engine:
       tokens: int ``[T]`` token ids in ``[0, V)``.
       positions: int ``[T]`` RoPE position ids.
       write_slots: int ``[T]`` distinct slots in ``[0, S)``.
-      mask: bool ``[T, S]``: query t may see slot s (after this step's writes).
+      mask: bool ``[T, S]``: query t may see slot s (after this step's writes); or, on the
+        kernel path, a :class:`~selforch_jax.runtime.paged_backend.PagedAttentionMask` of
+        shape ``(1, bucket_size(T), S)``.
 
     Returns:
       float32 ``[T, V]`` logits (a device array).
@@ -102,13 +143,16 @@ class Engine:
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     positions = np.asarray(positions, np.int32).reshape(-1)
     write_slots = np.asarray(write_slots, np.int32).reshape(-1)
-    mask = np.asarray(mask, bool)
+    paged = isinstance(mask, PagedAttentionMask)
+    if not paged:
+      mask = np.asarray(mask, bool)
     T, S = tokens.shape[0], self.num_slots
     if T == 0:
       raise ValueError("a step needs at least one query token")
-    if positions.shape != (T,) or write_slots.shape != (T,) or mask.shape != (T, S):
+    want = (1, bucket_size(T), S) if paged else (T, S)
+    if positions.shape != (T,) or write_slots.shape != (T,) or tuple(mask.shape) != want:
       raise ValueError(f"step: tokens [{T}], positions {positions.shape}, write_slots "
-                       f"{write_slots.shape}, mask {mask.shape}; expected [T], [T], [T, {S}]")
+                       f"{write_slots.shape}, mask {tuple(mask.shape)}; expected [T], [T], {want}")
     if write_slots.min() < 0 or write_slots.max() >= S or np.unique(write_slots).size != T:
       raise ValueError(f"step: write_slots must be distinct and in [0, {S})")
     if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
@@ -120,9 +164,15 @@ class Engine:
       positions = np.concatenate([positions, np.zeros(pad, np.int32)])
       # out-of-range slots: the scatter drops these writes (mode FILL_OR_DROP)
       write_slots = np.concatenate([write_slots, S + np.arange(pad, dtype=np.int32)])
-      mask = np.concatenate([mask, np.zeros((pad, S), bool)])
-    logits, self.cache = _jitted_step(self.graphdef, self.state, self.cache, tokens, positions,
-                                      write_slots, mask)
+      if not paged:
+        mask = np.concatenate([mask, np.zeros((pad, S), bool)])
+    if self.record_attn_mass:
+      logits, self.cache, self.last_attn_mass = _jitted_step_attn_mass(
+          self.graphdef, self.state, self.cache, tokens, positions, write_slots, mask)
+    else:
+      logits, self.cache = _jitted_step(self.graphdef, self.state, self.cache, tokens, positions,
+                                        write_slots, mask)
+      self.last_attn_mass = None
     self.buckets_used.add(Tb)
     self.num_steps += 1
     self.num_query_tokens += T
@@ -190,7 +240,12 @@ class Engine:
     slots = self.allocate(owners)
     try:
       self.pool.write(slots, positions, segments, orders)
-      mask = step_mask(self.pool, segments, orders, visible, bidir, key_keep)
+      if self.attention == "paged":
+        mask = build_paged_mask(self.pool, segments, orders, visible, bidir,
+                                num_queries=bucket_size(T), key_keep=key_keep,
+                                interpret=self.interpret)
+      else:
+        mask = step_mask(self.pool, segments, orders, visible, bidir, key_keep)
       logits = self.step(tokens, positions, slots, mask)
     except Exception:
       for o in np.unique(owners)[::-1]:
