@@ -92,7 +92,8 @@ def get_config(arg=None):
   if c.data.annotator:
     c.data.annotator_args = {"num_registers": a.num_registers}
   c.data.strip_tags = dense
-  c.data.seq_len = a.seq_len if a.seq_len > 0 else (2048 if accel else 512)
+  # CPU: 384 tokens hold 97% of annotated GSM8K conversations (SmolLM2 chat template; median 210)
+  c.data.seq_len = a.seq_len if a.seq_len > 0 else (2048 if accel else 384)
   c.data.batch_size = a.batch_size if a.batch_size > 0 else (64 if accel else 4)
   c.data.num_epochs = None
   c.data.eval_fraction = 0.02

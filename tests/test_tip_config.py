@@ -41,7 +41,7 @@ def test_stages_differ_where_they_should():
   assert not sft.data.strip_tags
   assert dense.data.annotator is None and dense.data.strip_tags
   assert sft.data.annotated and not sft.data.packing and sft.model.tags
-  assert (sft.model.lora_rank, sft.data.seq_len, sft.data.batch_size, sft.train.steps) == (8, 512, 4, 60)
+  assert (sft.model.lora_rank, sft.data.seq_len, sft.data.batch_size, sft.train.steps) == (8, 384, 4, 60)
   assert sft.train.train_embed_rows_from == 49152 and sft.model.weights == "smollm2_gguf"
   for k in ("seq_len", "batch_size", "name"):
     assert sft.data[k] == dense.data[k]
@@ -98,9 +98,9 @@ def test_sft_stage_rows_hide_killed_steps():
   c.data.max_examples = 8
   c.data.eval_fraction = 0.0
   b = next(iter(make_dataset(c.data, tok, "train", 0)))
-  assert b["mask"].shape == (4, 512, 512) and b["tokens"].shape == (4, 512)
+  assert b["mask"].shape == (4, 384, 384) and b["tokens"].shape == (4, 384)
   assert np.isin(b["tokens"], tv.registers).any()
-  causal = np.tril(np.ones((512, 512), bool))
+  causal = np.tril(np.ones((384, 384), bool))
   assert not (b["mask"] & ~causal).any()                 # never sees the future
   valid = b["positions"] > 0
   hidden = [(causal & ~m)[np.ix_(v, v)].sum() for m, v in zip(b["mask"], valid)]
