@@ -26,6 +26,11 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   try:
+    if _CONFIG.value.get("kind") == "tip":   # configs/eval_tip.py: TIP vs KV-budget baselines
+      from selforch_jax.eval import tip
+      out = tip.run(_CONFIG.value, _WORKDIR.value)
+      print(tip.summary(out))
+      return
     out = run(_CONFIG.value, _WORKDIR.value)
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)

@@ -1,0 +1,351 @@
+r"""TIP evaluation: accuracy vs live KV for TIP and KV-budget baselines, in one run (issue 6).
+
+``python -m selforch_jax.eval --config=configs/eval_tip.py --workdir=DIR`` runs, per dataset
+(GSM8K test, the synthetic chained-arithmetic task, MATH-500, AIME: any name of
+``data.sources.DATASETS`` with a test file), on the same fixed subset ``rows[offset:offset+n]``:
+
+* ``tip``: the TIP model through :class:`~selforch_jax.runtime.tip.TIPScheduler` (register tags
+  evict dead steps);
+* ``dense``: the dense model with the full KV cache;
+* ``streaming_llm``, ``h2o``, ``paged_h2o``: the dense model under a live-KV budget
+  (:mod:`selforch_jax.runtime.kv_policies`).
+
+**Matched budget** (``eval.budget``): per problem, ``"tip_mean"`` = ceil of TIP's mean live KV on
+that problem (tokens, prompt included), ``"tip_peak"`` = TIP's peak, or a fixed integer (a string
+of digits) for every problem. Budgets are at least ``n_sink + 2`` tokens.
+
+Reported per system (``DIR/tip_eval.json``): exact-match accuracy (``eval/answers.py`` answer
+extraction on the tag-stripped output, :func:`~selforch_jax.lang.assemble.assemble` order) with a
+bootstrap 95% CI and n; live KV per problem (mean and peak, tokens and bytes; averaged over
+problems, and the largest peak); decode wall-clock (every scheduler run of the system, compiles
+excluded: each engine program is compiled by a warm-up first) and generated tokens; the budget
+used. Per dataset also the paired differences TIP - each system (bootstrap CI) and the live-KV
+reduction of TIP vs dense. Per-problem records go to ``DIR/tip_<dataset>_<system>.jsonl`` and
+the plot of accuracy vs mean live KV to ``DIR/tip_accuracy_vs_live_kv.png``.
+
+Models: ``tip`` / ``dense`` are training workdirs (latest checkpoint, LoRA merged) or HF
+directories; empty = the base model of ``model`` (with tag rows when ``model.tags``), so the
+command runs before any training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import ml_collections
+import numpy as np
+
+from selforch_jax import config_lib
+
+SYSTEMS = ("tip", "dense", "streaming_llm", "h2o", "paged_h2o")
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Keys of a TIP eval config (``kind="tip"`` selects this module in ``python -m
+  selforch_jax.eval``).
+
+  model: the base model (``config_lib.model_defaults``; ``tags`` on so TIP has register rows);
+  tip / dense: model directories (``""`` = the base model); eval: ``datasets``
+  (comma-separated), ``n`` / ``offset`` (fixed subset), ``max_new_tokens``, ``batch_size``
+  (requests decoded together), ``systems`` (comma-separated subset of
+  ``tip,dense,streaming_llm,h2o,paged_h2o``), ``budget`` (``tip_mean``, ``tip_peak`` or an
+  integer string), ``n_sink`` (StreamingLLM sinks), ``recent_ratio`` (H2O window share),
+  ``page_size`` (KV page tokens), ``temperature`` / ``seed`` (0 = greedy), ``n_boot``,
+  ``system_prompt``, ``prompt_suffix``.
+  """
+  mc = config_lib.model_defaults()
+  mc.tags = True
+  return ml_collections.ConfigDict(dict(
+      kind="tip", model=mc, tip="", dense="",
+      eval=dict(datasets="gsm8k,synthetic_chain", n=300, offset=0, max_new_tokens=256,
+                batch_size=8, systems=",".join(SYSTEMS), budget="tip_mean", n_sink=4,
+                recent_ratio=0.5, page_size=16, temperature=0.0, seed=0, n_boot=10000,
+                system_prompt="", prompt_suffix=""),
+  ))
+
+
+def _list(s: str) -> list[str]:
+  return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ``config_lib.ConfigError`` naming the bad key, before any work."""
+  from selforch_jax.data.sources import DATASETS
+  config_lib.validate(config, defaults())
+  config_lib.validate_model(config.model)
+  ec = config.eval
+  for d in _list(ec.datasets):
+    if d not in DATASETS or "test" not in DATASETS[d][1]:
+      known = sorted(k for k, v in DATASETS.items() if "test" in v[1])
+      raise config_lib.ConfigError(f"eval.datasets: {d!r} has no test file; known: {known}")
+  if not _list(ec.datasets):
+    raise config_lib.ConfigError("eval.datasets is empty")
+  systems = _list(ec.systems)
+  bad = [s for s in systems if s not in SYSTEMS]
+  if bad or not systems:
+    raise config_lib.ConfigError(f"eval.systems: unknown {bad}; known: {list(SYSTEMS)}")
+  if ec.budget in ("tip_mean", "tip_peak"):
+    if "tip" not in systems and any(s in systems for s in SYSTEMS[2:]):
+      raise config_lib.ConfigError(f"eval.budget={ec.budget!r} needs 'tip' in eval.systems")
+  elif not (ec.budget.isdigit() and int(ec.budget) >= ec.n_sink + 2):
+    raise config_lib.ConfigError(
+        f"eval.budget={ec.budget!r} must be 'tip_mean', 'tip_peak' or an integer >= n_sink + 2")
+  if min(ec.n, ec.batch_size, ec.max_new_tokens, ec.page_size) < 1 or ec.n_sink < 0:
+    raise config_lib.ConfigError("eval.n, batch_size, max_new_tokens, page_size must be >= 1")
+  if not 0.0 <= ec.recent_ratio < 1.0 or ec.temperature < 0:
+    raise config_lib.ConfigError("eval.recent_ratio must be in [0, 1), temperature >= 0")
+  for key in ("tip", "dense"):
+    p = config[key]
+    if p and not (os.path.isdir(os.path.join(p, "checkpoints"))
+                  or os.path.exists(os.path.join(p, "config.json"))):
+      raise config_lib.ConfigError(f"{key}={p!r} is neither a training workdir (with "
+                                   "checkpoints/) nor a Hugging Face directory (with config.json)")
+
+
+def _load(config, key: str):
+  from selforch_jax.eval.run import load_finetuned
+  if config[key]:
+    return load_finetuned(config[key])
+  return config_lib.load_model(config.model)[1:]
+
+
+def _prompts(rows, tok, ec) -> tuple[list[list[int]], list[str], list[str]]:
+  """Chat prompts (generation prompt added), reference answers and question texts."""
+  from selforch_jax.data.sources import prompt_and_reference
+  prompts, refs, questions = [], [], []
+  for r in rows:
+    msgs, ref = prompt_and_reference(r)
+    msgs[-1] = dict(msgs[-1], content=msgs[-1]["content"] + ec.prompt_suffix)
+    if ec.system_prompt:
+      msgs.insert(0, {"role": "system", "content": ec.system_prompt})
+    prompts.append(tok.encode_chat(msgs, add_generation_prompt=True))
+    refs.append(str(r.get("answer", ref)))
+    questions.append(msgs[-1]["content"])
+  return prompts, refs, questions
+
+
+def pages_per_request(prompt_len: int, max_new: int, page_size: int, num_registers: int) -> int:
+  """KV pages one request may hold: its tokens, plus one partly filled page per live register
+  step (TIP starts each step on a fresh page) and a margin of 4 (prompt, current step, joins)."""
+  return -(-(prompt_len + max_new) // page_size) + num_registers + 6
+
+
+def _warm_up(engine, prompt_lens, batch: int) -> None:
+  """Compile every program the runs will use (both attention-mass settings, the prefill buckets
+  of these prompts and decode buckets 1..batch), so the timed runs exclude compiles."""
+  from selforch_jax.runtime.engine import bucket_size
+  S = engine.num_slots
+  sizes = sorted({bucket_size(n) for n in prompt_lens} | {bucket_size(b) for b in
+                                                        range(1, batch + 1)})
+  was = engine.record_attn_mass
+  for mode in (False, True):
+    engine.record_attn_mass = mode
+    for T in sizes:
+      T = min(T, S)
+      engine.step(np.zeros(T, np.int32), np.zeros(T, np.int32), np.arange(T, dtype=np.int32),
+                  np.zeros((T, S), bool))
+  engine.record_attn_mass = was
+  engine.num_steps = engine.num_query_tokens = 0
+
+
+def run_system(system: str, engine, prompts, tv, ec, stop_ids, budgets=None) -> dict:
+  """Decode ``prompts`` with one system in batches of ``ec.batch_size``.
+
+  Returns:
+    ``{"results": [GenerationResult], "kv": [per-request kv dict], "decode_s": float}``.
+  """
+  from selforch_jax.decoding.sampling import SamplingParams
+  from selforch_jax.runtime.kv_policies import PolicyScheduler, make_policy
+  from selforch_jax.runtime.scheduler import run
+  from selforch_jax.runtime.tip import TIPScheduler
+
+  sampling = SamplingParams(temperature=float(ec.temperature), seed=int(ec.seed))
+  results, kv, secs = [], [], 0.0
+  for s in range(0, len(prompts), ec.batch_size):
+    batch = prompts[s:s + ec.batch_size]
+    if system == "tip":
+      sched = TIPScheduler(engine, batch, tv, ec.max_new_tokens, sampling, stop_ids)
+    else:
+      pols = []
+      for j in range(len(batch)):
+        if system == "dense":
+          pols.append(make_policy("dense"))
+          continue
+        extra = ({"n_sink": ec.n_sink} if system == "streaming_llm"
+                 else {"recent_ratio": ec.recent_ratio})
+        pols.append(make_policy(system, budgets[s + j], **extra))
+      sched = PolicyScheduler(engine, batch, pols, ec.max_new_tokens, sampling, stop_ids)
+    t0 = time.perf_counter()
+    run(engine, sched)
+    secs += time.perf_counter() - t0
+    for o in sched.owners:
+      engine.pool.free_owner(int(o))
+    results += sched.results
+    kv += sched.kv_stats
+    print(f"    {system}: {len(results)}/{len(prompts)}", file=sys.stderr)
+  return {"results": results, "kv": kv, "decode_s": secs}
+
+
+def _budgets(ec, tip_kv: list[dict] | None, n: int) -> list[int]:
+  lo = ec.n_sink + 2
+  if ec.budget == "tip_mean":
+    return [max(lo, math.ceil(k["mean_live_tokens"])) for k in tip_kv]
+  if ec.budget == "tip_peak":
+    return [max(lo, int(k["peak_live_tokens"])) for k in tip_kv]
+  return [int(ec.budget)] * n
+
+
+def evaluate_dataset(dataset: str, models: dict, ec, workdir: str) -> dict:
+  """All systems on one dataset (see the module docstring); writes the per-problem JSONL."""
+  from selforch_jax.data.sources import load_examples
+  from selforch_jax.eval.answers import extract_answer, is_correct
+  from selforch_jax.eval.stats import bootstrap_ci, format_ci, paired_bootstrap_diff
+  from selforch_jax.lang.assemble import assemble
+  from selforch_jax.runtime.engine import Engine
+
+  rows = load_examples(dataset, split="test", max_examples=ec.offset + ec.n)[ec.offset:]
+  systems = _list(ec.systems)
+  out = {"n": len(rows), "subset": [ec.offset, ec.offset + len(rows)], "systems": {}}
+  correct, tip_kv = {}, None
+  engines = {}
+  for system in systems:
+    model, tok, tv = models["tip" if system == "tip" else "dense"]
+    prompts, refs, questions = _prompts(rows, tok, ec)
+    B = min(ec.batch_size, len(prompts))
+    key = id(model)
+    if key not in engines:
+      K = tv.num_registers if tv is not None else 0
+      per = pages_per_request(max(map(len, prompts)), ec.max_new_tokens, ec.page_size, K)
+      engines[key] = Engine(model, num_pages=B * per, page_size=ec.page_size)
+      t0 = time.perf_counter()
+      _warm_up(engines[key], [len(p) for p in prompts], B)
+      print(f"  compiled {dataset} programs in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    engine = engines[key]
+    budgets = None
+    if system not in ("tip", "dense"):
+      budgets = _budgets(ec, tip_kv, len(prompts))
+    print(f"  {dataset}: {system} on {len(prompts)} problems", file=sys.stderr)
+    res = run_system(system, engine, prompts, tv, ec, tok.stop_ids, budgets)
+    recs = []
+    for j, (r, k) in enumerate(zip(res["results"], res["kv"])):
+      ids = assemble(r.token_ids, tv) if tv is not None else r.token_ids
+      text = tok.decode(ids, skip_special_tokens=True)
+      recs.append({"question": questions[j], "reference": refs[j], "output": text,
+                   "extracted": extract_answer(text), "correct": bool(is_correct(text, refs[j])),
+                   "finish_reason": r.finish_reason, "new_tokens": len(r.token_ids),
+                   "budget": None if budgets is None else budgets[j], **k})
+    with open(os.path.join(workdir, f"tip_{dataset}_{system}.jsonl"), "w", encoding="utf-8") as f:
+      for x in recs:
+        f.write(json.dumps(x, ensure_ascii=False) + "\n")
+    if system == "tip":
+      tip_kv = res["kv"]
+    c = np.array([x["correct"] for x in recs], np.float64)
+    correct[system] = c
+    acc = bootstrap_ci(c, n_boot=ec.n_boot, seed=ec.seed)
+    mean_kv = [x["mean_live_tokens"] for x in recs]
+    peak_kv = [x["peak_live_tokens"] for x in recs]
+    new = sum(x["new_tokens"] for x in recs)
+    out["systems"][system] = {
+        "accuracy": acc, "accuracy_str": format_ci(acc),
+        "live_kv_mean_tokens": float(np.mean(mean_kv)),
+        "live_kv_peak_tokens": float(np.mean(peak_kv)),
+        "live_kv_max_peak_tokens": int(np.max(peak_kv)),
+        "live_kv_mean_bytes": float(np.mean([x["mean_live_bytes"] for x in recs])),
+        "live_kv_peak_bytes": float(np.mean([x["peak_live_bytes"] for x in recs])),
+        "resident_kv_mean_tokens": float(np.mean([x["mean_resident_tokens"] for x in recs])),
+        "budget_mean_tokens": None if budgets is None else float(np.mean(budgets)),
+        "decode_s": round(res["decode_s"], 2), "new_tokens": new,
+        "tokens_per_s": round(new / res["decode_s"], 2) if res["decode_s"] else 0.0,
+    }
+  if "tip" in correct:
+    out["tip_minus"] = {}
+    for s in systems:
+      if s != "tip":
+        d = paired_bootstrap_diff(correct["tip"], correct[s], n_boot=ec.n_boot, seed=ec.seed)
+        out["tip_minus"][s] = d | {"str": format_ci(d)}
+    if "dense" in correct:
+      t, d = out["systems"]["tip"], out["systems"]["dense"]
+      out["live_kv_reduction_vs_dense"] = {
+          "mean": 1.0 - t["live_kv_mean_tokens"] / d["live_kv_mean_tokens"],
+          "peak": 1.0 - t["live_kv_peak_tokens"] / d["live_kv_peak_tokens"]}
+  return out
+
+
+def plot(out: dict, path: str) -> None:
+  """Accuracy (95% CI error bars) vs mean live KV tokens, one panel per dataset."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  ds = list(out["datasets"])
+  fig, axes = plt.subplots(1, len(ds), figsize=(5 * len(ds), 4), squeeze=False)
+  for ax, d in zip(axes[0], ds):
+    for name, m in out["datasets"][d]["systems"].items():
+      a = m["accuracy"]
+      ax.errorbar([m["live_kv_mean_tokens"]], [a["mean"]],
+                  yerr=[[a["mean"] - a["lo"]], [a["hi"] - a["mean"]]], fmt="o", capsize=4,
+                  label=name)
+    ax.set_xlabel("mean live KV per problem (tokens)")
+    ax.set_ylabel("exact-match accuracy")
+    ax.set_title(f"{d} (n={out['datasets'][d]['n']})")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Evaluate every system on every dataset; writes ``tip_eval.json``, JSONL and the plot."""
+  from selforch_jax.lang.tags import TagVocab
+
+  validate(config)
+  ec = config.eval
+  os.makedirs(workdir, exist_ok=True)
+  t_all = time.perf_counter()
+  models = {}
+  for key in ("tip", "dense"):
+    if key == "dense" and not config.dense:
+      models["dense"] = models["tip"]
+      continue
+    model, tok = _load(config, key)
+    if tok is None:
+      raise config_lib.ConfigError(f"the {key} model has no tokenizer")
+    try:
+      tv = TagVocab.from_tokenizer(tok)
+    except KeyError:
+      if key == "tip":
+        raise config_lib.ConfigError(
+            f"the TIP model ({config.tip or 'base'}) has no register tags: set model.tags=True "
+            "or pass a TIP training workdir") from None
+      tv = None
+    models[key] = (model, tok, tv)
+  out = {"config": config.to_dict(), "tip_source": config.tip or config.model.weights,
+         "dense_source": config.dense or config.tip or config.model.weights,
+         "model_config": dataclasses.asdict(models["tip"][0].cfg), "datasets": {}}
+  for d in _list(ec.datasets):
+    out["datasets"][d] = evaluate_dataset(d, models, ec, workdir)
+  out["seconds"] = round(time.perf_counter() - t_all, 1)
+  plot(out, os.path.join(workdir, "tip_accuracy_vs_live_kv.png"))
+  with open(os.path.join(workdir, "tip_eval.json"), "w") as f:
+    json.dump(out, f, indent=2)
+  return out
+
+
+def summary(out: dict) -> str:
+  """Human-readable lines: per dataset and system, accuracy, live KV, decode time."""
+  lines = []
+  for d, r in out["datasets"].items():
+    lines.append(f"{d} (n={r['n']}):")
+    for s, m in r["systems"].items():
+      b = "" if m["budget_mean_tokens"] is None else f" budget {m['budget_mean_tokens']:.1f}"
+      lines.append(f"  {s:14s} acc {m['accuracy_str']}  live KV mean {m['live_kv_mean_tokens']:.1f}"
+                   f" peak {m['live_kv_peak_tokens']:.1f} tokens{b}  decode {m['decode_s']:.1f}s")
+    if "live_kv_reduction_vs_dense" in r:
+      red = r["live_kv_reduction_vs_dense"]
+      lines.append(f"  TIP live KV vs dense: mean -{100 * red['mean']:.1f}%, "
+                   f"peak -{100 * red['peak']:.1f}%")
+  return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""The TIP evaluation end to end on a toy-width model with the real SmolLM2 tokenizer (+ tags):
+every system on GSM8K and the synthetic chain task in one run, matched budgets, JSON + PNG."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from selforch_jax import config_lib
+from selforch_jax.eval.tip import defaults, run, summary, validate
+
+
+def _config():
+  c = defaults()
+  c.model.preset = "tiny_smollm2"
+  c.model.weights = "random"
+  c.model.tokenizer = "smollm2_gguf"
+  c.eval.datasets = "gsm8k,synthetic_chain"
+  c.eval.n = 3
+  c.eval.offset = 1
+  c.eval.max_new_tokens = 16
+  c.eval.batch_size = 2
+  c.eval.page_size = 8
+  c.eval.n_boot = 200
+  return c
+
+
+def test_eval_tip_all_systems_matched_budgets(tmp_path):
+  out = run(_config(), str(tmp_path))
+  assert set(out["datasets"]) == {"gsm8k", "synthetic_chain"}
+  for d, r in out["datasets"].items():
+    assert r["n"] == 3 and r["subset"] == [1, 4]
+    assert set(r["systems"]) == {"tip", "dense", "streaming_llm", "h2o", "paged_h2o"}
+    recs = {s: [json.loads(l) for l in open(tmp_path / f"tip_{d}_{s}.jsonl")]
+            for s in r["systems"]}
+    for s, m in r["systems"].items():
+      assert m["accuracy"]["n"] == 3
+      assert m["accuracy"]["mean"] == np.mean([x["correct"] for x in recs[s]])
+      assert m["live_kv_mean_tokens"] == pytest.approx(
+          np.mean([x["mean_live_tokens"] for x in recs[s]]))
+      assert m["decode_s"] > 0 and m["new_tokens"] == sum(x["new_tokens"] for x in recs[s])
+    # the untrained model writes no register tags: TIP decodes exactly like dense (same model)
+    assert [x["output"] for x in recs["tip"]] == [x["output"] for x in recs["dense"]]
+    assert r["tip_minus"]["dense"]["mean"] == 0.0
+    assert r["live_kv_reduction_vs_dense"]["mean"] == pytest.approx(0.0)
+    for s in ("streaming_llm", "h2o", "paged_h2o"):
+      for t, x in zip(recs["tip"], recs[s]):
+        # matched budget = ceil(TIP's mean live KV on the same problem)
+        assert x["budget"] == math.ceil(t["mean_live_tokens"])
+        prompt_len = t["peak_live_tokens"] - t["new_tokens"] + (t["finish_reason"] == "length")
+        assert x["peak_live_tokens"] <= max(x["budget"], prompt_len)
+      # the budget bit: every baseline holds less live KV on average than dense
+      assert r["systems"][s]["live_kv_mean_tokens"] < r["systems"]["dense"]["live_kv_mean_tokens"]
+    # a problem's reference is its final answer (synthetic chain: the computed value)
+    if d == "synthetic_chain":
+      assert all(x["reference"].lstrip("-").isdigit() for x in recs["tip"])
+  png = (tmp_path / "tip_accuracy_vs_live_kv.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+  saved = json.load(open(tmp_path / "tip_eval.json"))
+  assert saved["datasets"]["gsm8k"]["systems"]["h2o"]["accuracy_str"].endswith("(n=3)")
+  assert "TIP live KV vs dense" in summary(out)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("datasets", "gsm8k,nope", "eval.datasets"),
+    ("systems", "tip,lru", "eval.systems"),
+    ("budget", "lots", "eval.budget"),
+])
+def test_eval_tip_config_errors_name_the_key(key, value, match):
+  c = _config()
+  c.eval[key] = value
+  with pytest.raises(config_lib.ConfigError, match=match):
+    validate(c)
