@@ -18,6 +18,11 @@ Modules (one job each):
   sequence to the engine step by step (the train = decode oracle, DESIGN.md §2.2).
 * :mod:`~selforch_jax.runtime.annotated` — random annotated sequences of every kind (tests,
   fuzzing).
+* :mod:`~selforch_jax.runtime.kv_policies` — :class:`PolicyScheduler` (the AR scheduler with a
+  per-request KV policy and live-KV accounting) and the budget baselines: dense, StreamingLLM,
+  H2O, paged H2O.
+* :mod:`~selforch_jax.runtime.tip` — :class:`TIPScheduler` (register tags evict dead steps, each
+  step on fresh pages) and :class:`RegisterKV` (the eviction bookkeeping, reusable).
 """
 
 from selforch_jax.runtime.engine import Engine, bucket_size
