@@ -12,6 +12,10 @@ and exits 0. A NaN/Inf loss stops the run with exit code 1 and leaves the last g
 checkpoint intact. Metrics go to the console, ``<workdir>/metrics.jsonl`` and
 TensorBoard event files in ``<workdir>/tb``.
 
+``config.trainer`` picks the run: ``"sft"`` (default), ``"grpo"`` or ``"bonbon"`` (policy
+optimization, :mod:`selforch_jax.trainers.po_run`; settings in ``config.grpo`` /
+``config.bonbon``).
+
 Multi-host: ``--distributed`` calls ``jax.distributed.initialize()`` (TPU pods detect
 everything); on CPU/GPU clusters pass ``--coordinator_address``, ``--num_processes`` and
 ``--process_id``.
@@ -56,7 +60,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
   init_distributed()
   try:
-    summary = train(_CONFIG.value, _WORKDIR.value)
+    if _CONFIG.value.get("trainer", "sft") in ("grpo", "bonbon"):
+      from selforch_jax.trainers.po_run import train_po
+      summary = train_po(_CONFIG.value, _WORKDIR.value)
+    else:
+      summary = train(_CONFIG.value, _WORKDIR.value)
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     sys.exit(2)

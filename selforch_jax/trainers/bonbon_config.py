@@ -29,7 +29,7 @@ def bonbon_defaults() -> ml_collections.ConfigDict:
     reference model) or "gsm8k" (the exact-match reward).
   min_score_gap: pairs whose best and worst scores differ by less are dropped.
   scheduler, scheduler_kwargs, layout_mask, num_pages, page_size, max_prompt_tokens,
-  init_from, dataset, split, shuffle_seed, seed: as in ``grpo_defaults()``.
+  init_from, dataset, split, max_examples, shuffle_seed, seed: as in ``grpo_defaults()``.
   """
   return ml_collections.ConfigDict(dict(
       num_samples=4, prompts_per_round=4, updates_per_round=2, pairs_per_step=2, max_new_tokens=64,
@@ -37,4 +37,4 @@ def bonbon_defaults() -> ml_collections.ConfigDict:
       quality_weight=1.0, quality="ref_nll", min_score_gap=0.0, scheduler="ar",
       scheduler_kwargs={}, layout_mask=False, num_pages=256, page_size=16,
       max_prompt_tokens=256, init_from=placeholder(str), dataset="gsm8k", split="train",
-      shuffle_seed=0, seed=0))
+      max_examples=placeholder(int), shuffle_seed=0, seed=0))

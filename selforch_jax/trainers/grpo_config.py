@@ -36,6 +36,7 @@ def grpo_defaults() -> ml_collections.ConfigDict:
   init_from: an SFT workdir whose checkpoint initialises the policy (and pi_ref); None =
     the ``model`` section's weights.
   dataset: prompt dataset name (``data.sources``: gsm8k, ...); split: its split.
+  max_examples: read only the first N rows of the dataset file (None = all).
   shuffle_seed, seed: prompt order, rollout sampling seed.
   """
   return ml_collections.ConfigDict(dict(
@@ -43,4 +44,4 @@ def grpo_defaults() -> ml_collections.ConfigDict:
       clip_eps=0.2, kl_coef=0.04, adv_eps=1e-4, inner_steps=2, reward="gsm8k",
       format_weight=0.1, scheduler="ar", scheduler_kwargs={}, layout_mask=False,
       num_pages=256, page_size=16, max_prompt_tokens=256, init_from=placeholder(str),
-      dataset="gsm8k", split="train", shuffle_seed=0, seed=0))
+      dataset="gsm8k", split="train", max_examples=placeholder(int), shuffle_seed=0, seed=0))

@@ -1,0 +1,350 @@
+r"""The policy-optimization runs behind ``python -m selforch_jax.train`` when
+``config.trainer`` is ``"grpo"`` or ``"bonbon"``: prompts, rollouts, rewards / scores, updates,
+metrics, Orbax checkpoints and resume, SIGTERM.
+
+One loop step is one rollout batch (GRPO: ``grpo.prompts_per_step`` prompts x
+``grpo.group_size`` samples, then ``grpo.inner_steps`` updates) or one round (BoNBoN:
+``bonbon.prompts_per_round`` prompts x ``bonbon.num_samples``, best-vs-worst pairs, then
+``bonbon.updates_per_round`` updates); ``train.steps`` counts loop steps and
+``train.checkpoint_every`` is in loop steps. Checkpoints (``trainers/checkpoint.py``) hold the
+policy, the optimizer, the optimizer step and the prompt iterator (grain); pi_ref is rebuilt
+from the initial model on resume, and the rollout seed of loop step s is drawn from
+``numpy.random.default_rng([seed, s])``,
+so an interrupted and resumed run gives the same parameters as a straight one.
+
+Example (GRPO of SmolLM2-135M-Instruct on GSM8K, CPU-sized)::
+
+  python -m selforch_jax.train --config=configs/smollm2_135m.py ... (see configs/pasta_po.py)
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+import zlib
+
+import ml_collections
+import numpy as np
+from absl import logging
+
+from selforch_jax import config_lib
+
+
+def po_defaults(trainer: str = "grpo") -> ml_collections.ConfigDict:
+  """A full training config (``trainers.run.defaults()``) with ``trainer`` set."""
+  from selforch_jax.trainers.run import defaults
+  c = defaults()
+  c.trainer = trainer
+  return c
+
+
+def validate_po(config: ml_collections.ConfigDict) -> None:
+  """Value checks of the ``grpo`` / ``bonbon`` section in use (types are checked by
+  ``trainers.run.validate``). Raises ``config_lib.ConfigError`` naming the key."""
+  from selforch_jax.data.sources import DATASETS
+  from selforch_jax.runtime.registry import available
+  from selforch_jax.trainers.bonbon import SCORES
+  from selforch_jax.trainers.rewards import reward_names
+
+  name = config.trainer
+  s = config[name]
+  checks = [("max_new_tokens", s.max_new_tokens >= 1), ("temperature", s.temperature >= 0),
+            ("top_k", s.top_k >= 0), ("top_p", 0 < s.top_p <= 1), ("num_pages", s.num_pages >= 1),
+            ("page_size", s.page_size >= 1), ("max_prompt_tokens", s.max_prompt_tokens >= 1)]
+  if name == "grpo":
+    checks += [("group_size", s.group_size >= 1), ("prompts_per_step", s.prompts_per_step >= 1),
+               ("clip_eps", s.clip_eps > 0), ("kl_coef", s.kl_coef >= 0),
+               ("adv_eps", s.adv_eps >= 0), ("inner_steps", s.inner_steps >= 1)]
+  else:
+    checks += [("num_samples", s.num_samples >= 2), ("prompts_per_round", s.prompts_per_round >= 1),
+               ("updates_per_round", s.updates_per_round >= 1),
+               ("pairs_per_step", s.pairs_per_step >= 1), ("alpha", s.alpha >= 0),
+               ("tau", s.tau > 0), ("min_score_gap", s.min_score_gap >= 0)]
+  for key, ok in checks:
+    if not ok:
+      raise config_lib.ConfigError(f"{name}.{key}={s[key]!r} is out of range")
+  if name == "grpo" and s.reward not in reward_names():
+    raise config_lib.ConfigError(f"grpo.reward={s.reward!r} is unknown; known: {reward_names()}")
+  if name == "bonbon":
+    if s.score not in SCORES:
+      raise config_lib.ConfigError(f"bonbon.score={s.score!r} must be one of {SCORES}")
+    if s.quality != "ref_nll" and s.quality not in reward_names():
+      raise config_lib.ConfigError(f"bonbon.quality={s.quality!r} must be 'ref_nll' or a reward: "
+                                   f"{reward_names()}")
+  if s.scheduler not in available():
+    raise config_lib.ConfigError(f"{name}.scheduler={s.scheduler!r} is not registered; "
+                                 f"registered: {available()}")
+  if s.dataset not in DATASETS:
+    raise config_lib.ConfigError(f"{name}.dataset={s.dataset!r} is unknown; known: {sorted(DATASETS)}")
+  if s.layout_mask and not config.model.tags and not s.init_from:
+    raise config_lib.ConfigError(f"{name}.layout_mask=True needs model.tags=True (or an init_from "
+                                 "run trained with tags)")
+  if config.optim.grad_accum != 1:
+    raise config_lib.ConfigError("policy optimization needs optim.grad_accum=1")
+
+
+def load_policy(config):
+  """``(model, tokenizer, tag_vocab or None)``: the initial policy.
+
+  From ``<trainer>.init_from`` (a training workdir: its checkpoint, LoRA adapters kept) or the
+  ``model`` section; LoRA adapters of rank ``model.lora_rank`` are added when the model has
+  none.
+
+  Raises:
+    config_lib.ConfigError: no tokenizer.
+  """
+  from selforch_jax.lang.tags import TagVocab
+  from selforch_jax.models.transformer import add_lora
+  s = config[config.trainer]
+  mc = config.model
+  if s.init_from:
+    from selforch_jax.trainers.restore import restore_run
+    saved, model, tok, _ = restore_run(s.init_from)
+    tags, nreg = saved.model.get("tags", False), saved.model.get("num_registers", 8)
+  else:
+    _, model, tok = config_lib.load_model(mc)
+    tags, nreg = mc.tags, mc.num_registers
+  if tok is None:
+    raise config_lib.ConfigError("policy optimization needs a tokenizer (model.tokenizer)")
+  if mc.lora_rank > 0 and not model.cfg.lora_rank:
+    model = add_lora(model, mc.lora_rank, mc.lora_alpha, mc.lora_targets, seed=config.train.seed)
+  tv = TagVocab.from_tokenizer(tok, int(nreg)) if tags else None
+  return model, tok, tv
+
+
+def load_prompts(s, tok) -> tuple[list[list[int]], list]:
+  """``(prompt token ids, references)`` of ``s.dataset`` / ``s.split`` (chat template with the
+  generation prompt), prompts longer than ``s.max_prompt_tokens`` dropped.
+
+  Raises:
+    ValueError: no prompt is short enough.
+  """
+  from selforch_jax.data.sources import load_examples, prompt_and_reference
+  prompts, refs = [], []
+  for ex in load_examples(s.dataset, split=s.split, max_examples=s.max_examples):
+    msgs, ref = prompt_and_reference(ex)
+    ids = tok.encode_chat(msgs, add_generation_prompt=True)
+    if len(ids) <= s.max_prompt_tokens:
+      prompts.append(list(ids))
+      refs.append(ref)
+  if not prompts:
+    raise ValueError(f"no prompt of {s.dataset}/{s.split} has <= {s.max_prompt_tokens} tokens")
+  return prompts, refs
+
+
+def prompt_iterator(n: int, batch: int, seed: int):
+  """A checkpointable grain iterator of ``int64 [batch]`` prompt indices (shuffled, repeated)."""
+  import grain
+  ds = grain.MapDataset.range(n).shuffle(seed=seed).repeat(None)
+  return iter(ds.to_iter_dataset().batch(batch, drop_remainder=True))
+
+
+def response_text(tok, ids, tv) -> str:
+  """Plain text of a response (tags stripped, logical order with a tag vocab)."""
+  if tv is not None:
+    from selforch_jax.lang import assemble_text
+    return assemble_text(ids, tv, tok, skip_special_tokens=True)
+  return tok.decode(ids, skip_special_tokens=True)
+
+
+def _sampling(s, seed: int):
+  from selforch_jax.decoding.sampling import SamplingParams
+  return SamplingParams(temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),
+                        seed=int(seed))
+
+
+def _rollout(trainer, s, prompts, group, seed, stop_id, tv, pad_id):
+  from selforch_jax.trainers.rollouts import bucket_len, sample, to_batch
+  ro = sample(trainer.model(), prompts, max_new_tokens=int(s.max_new_tokens), stop_id=stop_id,
+              scheduler=s.scheduler, group_size=group, sampling=_sampling(s, seed),
+              num_pages=int(s.num_pages), page_size=int(s.page_size),
+              scheduler_kwargs=s.scheduler_kwargs.to_dict(), tag_vocab=tv)
+  # one row length for every batch (one compiled update): the longest prompt + response
+  seq_len = bucket_len(int(s.max_prompt_tokens) + int(s.max_new_tokens) - 1)
+  batch = to_batch(ro.prompts, ro.responses, seq_len, pad_id=pad_id,
+                   tag_vocab=tv if s.layout_mask else None)
+  return ro, batch
+
+
+def grpo_step(trainer, s, prompts, refs, step_seed, tok, tv) -> dict:
+  """One GRPO rollout batch + ``inner_steps`` updates; returns the step's metrics."""
+  from selforch_jax.trainers.grpo import group_advantages
+  from selforch_jax.trainers.rewards import get_reward
+  t0 = time.perf_counter()
+  G = int(s.group_size)
+  ro, batch = _rollout(trainer, s, prompts, G, step_seed, tok.stop_ids[0], tv, tok.pad_id)
+  reward = get_reward(s.reward)
+  texts = [response_text(tok, r, tv) for r in ro.responses]
+  rows_ref = [refs[i // G] for i in range(len(texts))]
+  rewards = np.asarray([reward(t, ref, s.format_weight) for t, ref in zip(texts, rows_ref)])
+  correct = np.asarray([get_reward("gsm8k_correct")(t, ref) for t, ref in zip(texts, rows_ref)]) \
+      if s.reward.startswith("gsm8k") else np.full(len(texts), np.nan)
+  adv = group_advantages(rewards.reshape(-1, G), s.adv_eps).reshape(-1)
+  batch["advantages"] = adv
+  t1 = time.perf_counter()
+  ms = trainer.update(batch)
+  t2 = time.perf_counter()
+  last = ms[-1]
+  return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+          "accuracy": float(np.mean(correct)), "kl": float(np.mean([m["kl"] for m in ms])),
+          "loss": float(np.mean([m["loss"] for m in ms])), "pg_loss": float(ms[0]["pg_loss"]),
+          "clip_frac": float(np.mean([m["clip_frac"] for m in ms])),
+          "grad_norm": float(last["grad_norm"]), "lr": float(last["lr"]),
+          "response_tokens": float(ro.response_lengths().mean()),
+          "finished_frac": float(np.mean([f == "stop" for f in ro.finish])),
+          "zero_adv_groups": float(np.mean((adv.reshape(-1, G) == 0).all(1))),
+          "rollout_s": t1 - t0, "update_s": t2 - t1, "step_time_s": t2 - t0,
+          "batch_crc32": zlib.crc32(np.ascontiguousarray(batch["tokens"]).tobytes())}
+
+
+def bonbon_round(trainer, s, prompts, refs, step_seed, tok, tv) -> dict:
+  """One BoNBoN round: sample, score, pair, ``updates_per_round`` updates; returns metrics.
+
+  Raises:
+    TrainingError: no prompt of the round gave a qualifying pair.
+  """
+  from selforch_jax.trainers.bonbon import pair_batch, score, select_pairs, speedups
+  from selforch_jax.trainers.logprobs import sequence_logprobs
+  from selforch_jax.trainers.rewards import get_reward
+  from selforch_jax.trainers.run import TrainingError
+  t0 = time.perf_counter()
+  N = int(s.num_samples)
+  ro, rows = _rollout(trainer, s, prompts, N, step_seed, tok.stop_ids[0], tv, tok.pad_id)
+  ref_tok = trainer.logprobs(rows, reference=True)
+  ref_seq = np.asarray(sequence_logprobs(ref_tok, rows["loss_mask"]))
+  ntok = np.maximum(rows["loss_mask"].sum(-1), 1)
+  if s.quality == "ref_nll":
+    quality = ref_seq / ntok
+  else:
+    fn = get_reward(s.quality)
+    quality = np.asarray([fn(response_text(tok, r, tv), refs[i // N], 0.0)
+                          for i, r in enumerate(ro.responses)])
+  sp = speedups(ro.prompts, ro.responses, tv)
+  sc = score(s.score, speedup=sp, quality=quality, lengths=ro.response_lengths(),
+             quality_weight=float(s.quality_weight))
+  triples = select_pairs(sc.reshape(-1, N), float(s.min_score_gap))
+  if not triples:
+    raise TrainingError(f"round at step {trainer.step}: no prompt gave a pair with a score gap "
+                        f"(scores {sc.round(3).tolist()})")
+  pairs = [(p * N + b, p * N + w) for p, b, w in triples]
+  order = np.random.default_rng(step_seed).permutation(len(pairs))
+  t1 = time.perf_counter()
+  ms, k = [], 0
+  for _ in range(int(s.updates_per_round)):
+    take = [pairs[order[(k + j) % len(pairs)]] for j in range(int(s.pairs_per_step))]
+    k += int(s.pairs_per_step)
+    ms.append(trainer.train_step(pair_batch(rows, ref_seq, take)))
+  t2 = time.perf_counter()
+  best = np.asarray([sc[p * N + b] for p, b, _ in triples])
+  return {"loss": float(np.mean([m["loss"] for m in ms])),
+          "ipo": float(np.mean([m["ipo"] for m in ms])),
+          "sft": float(np.mean([m["sft"] for m in ms])),
+          "margin": float(ms[-1]["margin"]), "grad_norm": float(ms[-1]["grad_norm"]),
+          "lr": float(ms[-1]["lr"]), "pairs": float(len(pairs)), "score": float(sc.mean()),
+          "best_score": float(best.mean()), "speedup": float(sp.mean()),
+          "quality": float(np.mean(quality)), "response_tokens": float(ro.response_lengths().mean()),
+          "rollout_s": t1 - t0, "update_s": t2 - t1, "step_time_s": t2 - t0}
+
+
+def build_po(config, workdir: str):
+  """``(trainer, tokenizer, tag_vocab, prompts, references, prompt iterator, checkpointer,
+  updates per loop step)``."""
+  from selforch_jax import sharding as shd
+  from selforch_jax.trainers.bonbon import BonbonTrainer
+  from selforch_jax.trainers.checkpoint import Checkpointer
+  from selforch_jax.trainers.grpo import GRPOTrainer
+  s = config[config.trainer]
+  model, tok, tv = load_policy(config)
+  lora = bool(model.cfg.lora_rank)
+  mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  common = dict(lora=lora, train_embed_rows_from=config.train.train_embed_rows_from)
+  if config.trainer == "grpo":
+    per = int(s.inner_steps)
+    trainer = GRPOTrainer(model, mesh, config.optim, config.train.steps * per, clip_eps=s.clip_eps,
+                          kl_coef=s.kl_coef, inner_steps=per, **common)
+    batch = int(s.prompts_per_step)
+  else:
+    per = int(s.updates_per_round)
+    trainer = BonbonTrainer(model, mesh, config.optim, config.train.steps * per, alpha=s.alpha,
+                            tau=s.tau, **common)
+    batch = int(s.prompts_per_round)
+  prompts, refs = load_prompts(s, tok)
+  it = prompt_iterator(len(prompts), batch, int(s.shuffle_seed))
+  ckpt = Checkpointer(workdir, config.train.checkpoint_every, config.train.keep,
+                      config.train.async_checkpoint)
+  return trainer, tok, tv, prompts, refs, it, ckpt, per
+
+
+def train_po(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
+  """Run (or resume) GRPO / BoNBoN. Returns a summary dict.
+
+  Args:
+    config: a training config with ``trainer`` "grpo" or "bonbon".
+    workdir: run directory; a checkpoint there is resumed.
+    stop_at: stop (with a checkpoint) after this many loop steps, as if interrupted.
+
+  Raises:
+    config_lib.ConfigError: a bad config (before any work).
+    TrainingError: a non-finite loss, or a BoNBoN round without pairs.
+  """
+  import jax
+  from tqdm import tqdm
+
+  from selforch_jax.trainers.run import MetricsWriter, TrainingError, check_resume_config, validate
+
+  validate(config)
+  if config.trainer not in ("grpo", "bonbon"):
+    raise config_lib.ConfigError(f"train_po runs grpo or bonbon, not trainer={config.trainer!r}")
+  check_resume_config(config, workdir)
+  s = config[config.trainer]
+  trainer, tok, tv, prompts, refs, it, ckpt, per = build_po(config, workdir)
+  config_json = json.loads(config.to_json())
+  if ckpt.latest_step() is not None:
+    ckpt.restore(trainer, it)
+    print(f"resumed from checkpoint at loop step {trainer.step // per}", file=sys.stderr)
+  stop = {"signal": None}
+
+  def on_term(signum, frame):
+    if stop["signal"] is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    stop["signal"] = signum
+  old = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
+  is_main = jax.process_index() == 0
+  writer = MetricsWriter(workdir, enabled=is_main, start_step=trainer.step // per)
+  step_fn = grpo_step if config.trainer == "grpo" else bonbon_round
+  steps, last = config.train.steps, {}
+  bar = tqdm(total=steps, initial=trainer.step // per, desc=config.trainer, unit="step",
+             file=sys.stderr, disable=not is_main)
+  try:
+    while trainer.step // per < steps:
+      loop = trainer.step // per
+      if stop["signal"] is not None or (stop_at is not None and loop >= stop_at):
+        break
+      idx = next(it)
+      seed = int(np.random.default_rng([int(s.seed), loop]).integers(2**31 - 1))
+      m = step_fn(trainer, s, [prompts[i] for i in idx], [refs[i] for i in idx], seed, tok, tv)
+      if not np.isfinite(m["loss"]) or not np.isfinite(m["grad_norm"]):
+        ckpt.wait()
+        raise TrainingError(f"non-finite loss / grad norm at loop step {loop + 1} ({m['loss']}, "
+                            f"{m['grad_norm']}); last good checkpoint: {ckpt.latest_step()}")
+      last = m
+      if (loop + 1) % config.train.log_every == 0 or loop + 1 == steps:
+        writer.write(loop + 1, m)
+      bar.update(1)
+      bar.set_postfix(loss=f"{m['loss']:.4f}")
+      if (loop + 1) % config.train.checkpoint_every == 0:
+        ckpt.save(trainer, it, config_json)
+    if ckpt.latest_step() != trainer.step:
+      ckpt.save(trainer, it, config_json, force=True)
+    ckpt.wait()
+  finally:
+    bar.close()
+    writer.close()
+    for sig, handler in old.items():
+      signal.signal(sig, handler)
+  ckpt.close()
+  logging.info("%s finished at loop step %d", config.trainer, trainer.step // per)
+  return {"step": trainer.step // per, "optimizer_steps": trainer.step,
+          "preempted": stop["signal"] is not None, "checkpoint": ckpt.directory, **last}
