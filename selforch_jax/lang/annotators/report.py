@@ -13,9 +13,10 @@ real token count of every chunk. :func:`annotation_report` aggregates the ``info
 
 CIs come from :func:`selforch_jax.eval.stats.bootstrap_ci` (percentile bootstrap, seed 0).
 
-CLI (the full Alpaca training file through the rule annotator, real SmolLM2 tokenizer)::
+:mod:`selforch_jax.data.pasta_data` writes the report of its records (``annotation_report.json``);
+the figures of the rule annotator on the Alpaca training file alone::
 
-  python -m selforch_jax.lang.annotators.report --annotator=pasta_rules --out=out/pasta/annotation_report.json
+  python -m selforch_jax.data.pasta_data --sources=alpaca --out=out/pasta_alpaca
 """
 
 from __future__ import annotations
@@ -145,45 +146,3 @@ def write_report(report: dict[str, Any], path: str) -> None:
   with open(path, "w") as f:
     json.dump(report, f, indent=2)
     f.write("\n")
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  """CLI: annotate the assistant turns of a dataset and print/write the report."""
-  import argparse
-
-  from selforch_jax import config_lib
-  from selforch_jax.data import sources
-  from selforch_jax.lang import annotators
-  from selforch_jax.lang.tags import add_tags
-
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--annotator", default="pasta_rules")
-  ap.add_argument("--dataset", default="alpaca", help="a selforch_jax.data.sources dataset name")
-  ap.add_argument("--path", default=None, help="dataset file (default: the dataset's train file)")
-  ap.add_argument("--tokenizer", default="smollm2_gguf")
-  ap.add_argument("--max_examples", type=int, default=None)
-  ap.add_argument("--out", default=None, help="write the JSON report here")
-  args = ap.parse_args(argv)
-  tok = config_lib.load_tokenizer(args.tokenizer)
-  add_tags(tok)
-  ann = annotators.get_annotator(args.annotator, tokenizer=tok)
-  exs = sources.load_examples(args.dataset, args.path, max_examples=args.max_examples)
-  results = []
-  for ex in exs:
-    msgs = ex["messages"]
-    user = next((m["content"] for m in msgs if m["role"] == "user"), "")
-    resp = next((m["content"] for m in reversed(msgs) if m["role"] == "assistant"), None)
-    if resp is not None:
-      results.append(ann.annotate(user, resp))
-  rep = annotation_report(results)
-  rep["command"] = "python -m selforch_jax.lang.annotators.report " + " ".join(
-      argv if argv is not None else __import__("sys").argv[1:])
-  rep["annotator"], rep["dataset"] = args.annotator, args.dataset
-  print(json.dumps(rep, indent=2))
-  if args.out:
-    write_report(rep, args.out)
-  return rep
-
-
-if __name__ == "__main__":
-  main()
