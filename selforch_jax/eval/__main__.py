@@ -31,6 +31,11 @@ def main(argv):
       out = tip.run(_CONFIG.value, _WORKDIR.value)
       print(tip.summary(out))
       return
+    if _CONFIG.value.get("kind") == "pasta":   # configs/eval_pasta.py: PASTA vs AR, SoT, APAR
+      from selforch_jax.eval import pasta
+      out = pasta.run(_CONFIG.value, _WORKDIR.value)
+      print(pasta.summary(out))
+      return
     out = run(_CONFIG.value, _WORKDIR.value)
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)

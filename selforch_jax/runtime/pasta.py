@@ -40,9 +40,10 @@ Per request (:class:`PastaStats`):
   the stop token when there is one;
 * ``forwards``: engine steps that ran a token of this request, prefill included (the critical
   path in forwards: each is one sequential model call for this request);
-* ``theoretical_speedup = tokens / forwards``: AR decoding of the same tokens needs one
-  forward per token (AR through this definition is exactly 1.0); ``content_tokens`` (the
-  de-tagged logical text) over ``forwards`` is the same without tags.
+* ``theoretical_speedup = (content_tokens + stop) / forwards`` (PASTA's definition: the tokens
+  of the sequential response — the de-tagged logical text, plus the stop token when there is
+  one — over the longest chain of sequential forwards); AR decoding is exactly 1.0;
+* ``tokens_per_forward = tokens / forwards`` (tags included: what the engine actually ran).
 * ``wall_s``: wall-clock seconds from the request's prefill to its last step.
 
 The final text is :func:`selforch_jax.lang.assemble` of the canonical sequence (logical
@@ -110,7 +111,8 @@ class PastaStats:
     sampled_tokens: tokens drawn from the model (stop token included).
     content_tokens: tokens of the final de-tagged text (:func:`~selforch_jax.lang.assemble`).
     forwards: engine steps that ran a token of this request (prefill included).
-    tokens_per_forward / theoretical_speedup: ``tokens / forwards`` (the same number; AR = 1).
+    theoretical_speedup: ``(content_tokens + stop) / forwards`` (AR = 1).
+    tokens_per_forward: ``tokens / forwards``.
     wall_s: seconds from the request's prefill to its last step.
     rounds: joined rounds; threads: threads forked; max_parallel: largest number of threads
       decoded in one step.
@@ -129,11 +131,7 @@ class PastaStats:
   max_parallel: int
   degraded: tuple[str, ...]
   well_formed: bool
-
-  @property
-  def tokens_per_forward(self) -> float:
-    """``tokens / forwards``."""
-    return self.theoretical_speedup
+  tokens_per_forward: float
 
 
 class _Request:
@@ -463,9 +461,11 @@ class PASTAScheduler(Scheduler):
       stop = r.stop_token is not None
       tokens = len(r.main) + int(stop)
       notes = r.builder.layout().notes
+      content = len(self._text_ids(r))
       self.stats.append(PastaStats(
-          tokens=tokens, sampled_tokens=r.sampled, content_tokens=len(self._text_ids(r)),
-          forwards=r.forwards, theoretical_speedup=tokens / max(r.forwards, 1),
+          tokens=tokens, sampled_tokens=r.sampled, content_tokens=content,
+          forwards=r.forwards, theoretical_speedup=(content + int(stop)) / max(r.forwards, 1),
+          tokens_per_forward=tokens / max(r.forwards, 1),
           wall_s=(r.t1 or 0.0) - (r.t0 or 0.0), rounds=r.rounds, threads=r.n_threads,
           max_parallel=r.max_parallel, degraded=tuple(notes), well_formed=not notes))
 

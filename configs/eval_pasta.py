@@ -1,0 +1,26 @@
+r"""PASTA vs AR, Skeleton-of-Thought and APAR on AlpacaEval prompts (issue 5).
+
+Run:
+  python -m selforch_jax.eval --config=configs/eval_pasta.py --workdir=out/eval_pasta \
+      --config.pasta=out/pasta_sft --config.baseline=out/pasta_baseline_sft
+  python -m selforch_jax.eval --config=configs/eval_pasta.py --config.n=10 \
+      --config.max_new_tokens=128 --workdir=out/eval_pasta_small   # base SmolLM2 + tag rows
+  ... --config.pareto=lam1=out/po_l1,lam4=out/po_l4     # PASTA runs per λ / round (Pareto plot)
+  ... --config.judge.backend=openai --config.judge.url=https://api.openai.com/v1 \
+      --config.judge.model=gpt-4o-mini                  # judge win rate vs AR (key: $OPENAI_API_KEY)
+  ... --config.forced.n=3 --config.forced.promises=6    # forced-plan thread speedup
+
+Keys: see ``selforch_jax.eval.pasta.defaults``. Outputs: ``DIR/pasta_eval.json``,
+``DIR/pasta_eval_records.jsonl``, ``DIR/pasta_pareto.png``.
+"""
+
+from selforch_jax.eval.pasta import defaults
+
+
+def get_config(arg=None):
+  del arg
+  c = defaults()
+  c.model.preset = "smollm2_135m"
+  c.model.weights = "smollm2_gguf"
+  c.model.tags = True
+  return c

@@ -1,0 +1,425 @@
+"""PASTA evaluation (issue 5): PASTA vs AR, Skeleton-of-Thought and APAR on AlpacaEval prompts.
+
+``python -m selforch_jax.eval --config=configs/eval_pasta.py [--config.n=10] --workdir=DIR``
+
+In one run, batch 1, greedy, on the first ``n`` AlpacaEval instructions
+(``data/alpaca_eval``, after ``offset``):
+
+* **AR**: the baseline model (``config.baseline``, a Baseline-SFT workdir; default the base
+  model) decoded autoregressively through the engine (:mod:`selforch_jax.runtime.ar`);
+* **PASTA**: the PASTA model (``config.pasta``; default the base model with tag rows) with
+  :class:`~selforch_jax.runtime.pasta.PASTAScheduler`;
+* **SoT** (:mod:`selforch_jax.runtime.sot`) and **APAR** (:mod:`selforch_jax.runtime.apar`) on
+  the baseline model (both are methods for an untrained-for-PASTA model);
+* every run in ``config.pareto`` (``label=workdir,...``: PASTA runs per λ / round) decoded with
+  PASTA, for the Pareto plot.
+
+Figures per system, each with n and a bootstrap 95% CI (:mod:`selforch_jax.eval.stats`):
+
+* ``wall_speedup``: geometric mean over prompts of ``AR wall-clock / system wall-clock`` (the
+  CI is the bootstrap CI of the mean log ratio, exponentiated); compiles are excluded (every
+  step size the runs use is compiled before timing);
+* ``theoretical_speedup``: per prompt, tokens of the sequential (de-tagged) response over the
+  forwards on its critical path (PASTA's definition; :class:`~selforch_jax.runtime.pasta.
+  PastaStats`; SoT/APAR: tokens generated over engine steps); AR is 1;
+* ``tokens_per_forward``: every token the engine ran for the response (tags included) per step;
+* ``parse_rate``: PASTA: no degradation rule applied; SoT: the skeleton had numbered points;
+  APAR: at least one fork;
+* judge-free quality: ``nll`` — mean per-token negative log-likelihood (nats) of the de-tagged
+  response under the baseline model given the chat prompt (one full forward), and its paired
+  difference to AR's (``nll_minus_ar``; lower is better); ``length`` — response tokens;
+* ``win_rate`` vs the AR output when ``config.judge.backend`` is set
+  (:mod:`selforch_jax.eval.judges`).
+
+``config.forced.n > 0`` adds the forced-plan measurement: a PLAN of ``forced.promises``
+promises of length ``forced.length`` is teacher-forced after each of the first ``forced.n``
+prompts (prompt + PLAN + ``<async>``), the threads run to their cap, and AR decodes the same
+number of tokens from the same prompt: tokens per forward and wall-clock ratio of the engine's
+parallel threads on these weights.
+
+Outputs: ``DIR/pasta_eval.json`` (every figure + config), ``DIR/pasta_eval_records.jsonl``
+(per prompt and system), ``DIR/pasta_pareto.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from selforch_jax import config_lib
+
+SYSTEMS = ("ar", "pasta", "sot", "apar")
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Keys of a PASTA eval config (see the module docstring)."""
+  return ml_collections.ConfigDict(dict(
+      kind="pasta",
+      model=config_lib.model_defaults(),
+      pasta="", baseline="", pareto="",
+      n=100, offset=0, max_new_tokens=256, systems="ar,pasta,sot,apar",
+      page_size=16, cap=256,
+      sot=dict(skeleton_tokens=64, point_tokens=64, max_points=6),
+      apar=dict(child_tokens=64, max_forks=8),
+      judge=dict(backend="", url="", model="", api_key_env="OPENAI_API_KEY"),
+      forced=dict(n=0, promises=6, length=3, cap=1),
+      n_boot=10000, seed=0, warmup=True,
+  ))
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ``config_lib.ConfigError`` naming the bad key, before any work."""
+  config_lib.validate(config, defaults())
+  config_lib.validate_model(config.model)
+  systems = [s for s in config.systems.split(",") if s]
+  bad = sorted(set(systems) - set(SYSTEMS))
+  if bad or "ar" not in systems:
+    raise config_lib.ConfigError(f"systems={config.systems!r}: known {SYSTEMS}, 'ar' required "
+                                 "(it is the reference of every speedup)")
+  if config.n < 1 or config.max_new_tokens < 1 or config.offset < 0:
+    raise config_lib.ConfigError("n and max_new_tokens must be >= 1, offset >= 0")
+  if config.forced.n < 0 or config.forced.promises < 1 or config.forced.length < 1:
+    raise config_lib.ConfigError("forced.n >= 0, forced.promises >= 1, forced.length >= 1")
+  if config.judge.backend not in ("", "none", "openai", "local"):
+    raise config_lib.ConfigError(f"judge.backend={config.judge.backend!r}; known: '', 'openai', "
+                                 "'local'")
+  if config.judge.backend == "openai" and not config.judge.url:
+    raise config_lib.ConfigError("judge.backend='openai' needs judge.url")
+  for key, path in [("pasta", config.pasta), ("baseline", config.baseline),
+                    *[(f"pareto[{lab}]", p) for lab, p in _pareto_runs(config.pareto)]]:
+    if path and not (os.path.isdir(os.path.join(path, "checkpoints"))
+                     or os.path.exists(os.path.join(path, "config.json"))):
+      raise config_lib.ConfigError(f"{key}={path!r} is neither a training workdir (with "
+                                   "checkpoints/) nor a Hugging Face directory (config.json)")
+
+
+def _pareto_runs(spec: str) -> list[tuple[str, str]]:
+  out = []
+  for item in [s for s in spec.split(",") if s]:
+    if "=" not in item:
+      raise config_lib.ConfigError(f"pareto entry {item!r} must be label=workdir")
+    lab, path = item.split("=", 1)
+    out.append((lab, path))
+  return out
+
+
+def _load(config, path: str):
+  """``(model, tokenizer, TagVocab)``: a training workdir / HF dir, or the base model with tags."""
+  from selforch_jax.eval.run import load_finetuned
+  from selforch_jax.lang import TagVocab, add_tags
+  if path:
+    model, tok = load_finetuned(path)
+  else:
+    model, tok = config_lib.load_model(config.model)[1:]
+  if tok.token_to_id("<promise>") is None:
+    add_tags(tok, model)
+  return model, tok, TagVocab.from_tokenizer(tok)
+
+
+def _engine(model, num_slots: int, page_size: int):
+  from selforch_jax.runtime.engine import Engine
+  return Engine(model, num_pages=-(-num_slots // page_size), page_size=page_size)
+
+
+def _warm_up(engine, max_T: int) -> None:
+  """Compile every step size up to ``max_T`` (powers of two) so timed runs exclude compiles."""
+  from selforch_jax.runtime.engine import bucket_size
+  S = engine.num_slots
+  T = 1
+  while T <= min(bucket_size(max_T), S):
+    engine.step(np.zeros(T, np.int32), np.zeros(T, np.int32), np.arange(T, dtype=np.int32),
+                np.zeros((T, S), bool))
+    T *= 2
+  engine.num_steps = engine.num_query_tokens = 0
+
+
+class _NLL:
+  """Mean per-token NLL (nats) of a response given its prompt under one model (full causal
+  forward, padded to a multiple of 128 tokens so few shapes compile)."""
+
+  def __init__(self, model):
+    graphdef, self.state = nnx.split(model)
+
+    def nll(state, t, p, m, tgt, w):
+      logits = nnx.merge(graphdef, state)(t, p, m)[0]
+      lp = jax.nn.log_softmax(logits.astype(jax.numpy.float32), -1)
+      tok_lp = jax.numpy.take_along_axis(lp, tgt[..., None], -1)[..., 0]
+      return -(tok_lp * w).sum() / w.sum()
+
+    self.fn = jax.jit(nll)
+
+  def __call__(self, prompt: list[int], response: list[int]) -> float | None:
+    if not response:
+      return None
+    ids = list(prompt) + list(response)
+    n = len(ids)
+    N = -(-n // 128) * 128
+    t = np.zeros((1, N), np.int32)
+    t[0, :n] = ids
+    m = np.tril(np.ones((N, N), bool))[None]
+    tgt = np.zeros((1, N), np.int32)
+    tgt[0, :n - 1] = ids[1:]
+    w = np.zeros((1, N), np.float32)
+    w[0, len(prompt) - 1:n - 1] = 1.0
+    return float(self.fn(self.state, t, np.arange(N, dtype=np.int32)[None], m, tgt, w))
+
+
+def _ci(values, ec) -> dict | None:
+  from selforch_jax.eval.stats import bootstrap_ci
+  vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+  return bootstrap_ci(vals, n_boot=ec.n_boot, seed=ec.seed) if vals else None
+
+
+def _geo_ci(ratios, ec) -> dict | None:
+  d = _ci([math.log(r) for r in ratios if r and r > 0], ec)
+  if d is None:
+    return None
+  return {k: (math.exp(v) if k != "n" else v) for k, v in d.items()}
+
+
+def _paired(a, b, ec) -> dict | None:
+  from selforch_jax.eval.stats import paired_bootstrap_diff
+  pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+  if not pairs:
+    return None
+  x, y = zip(*pairs)
+  return paired_bootstrap_diff(list(x), list(y), n_boot=ec.n_boot, seed=ec.seed)
+
+
+def _decode(tok, ids) -> str:
+  return tok.decode(ids, skip_special_tokens=True)
+
+
+def run_ar(engine, tok, prompt, max_new) -> dict:
+  """AR baseline on one prompt (batch 1): text, token ids, wall seconds, tokens, forwards."""
+  from selforch_jax.runtime import ar
+  steps0 = engine.num_steps
+  t0 = time.perf_counter()
+  (r,) = ar.generate(engine, [prompt], max_new_tokens=max_new, stop_ids=tok.stop_ids)
+  wall = time.perf_counter() - t0
+  tokens = len(r.token_ids) + (r.finish_reason == "stop")
+  fw = engine.num_steps - steps0
+  return dict(text=_decode(tok, r.token_ids), ids=r.token_ids, wall_s=wall, tokens=tokens,
+              forwards=fw, theoretical_speedup=tokens / fw, tokens_per_forward=tokens / fw,
+              parsed=True)
+
+
+def run_pasta(engine, tok, tv, prompt, max_new, cap) -> dict:
+  """PASTA on one prompt (batch 1)."""
+  from selforch_jax.runtime import pasta
+  t0 = time.perf_counter()
+  s = pasta.generate(engine, [prompt], tv, max_new_tokens=max_new, stop_ids=tok.stop_ids, cap=cap)
+  wall = time.perf_counter() - t0
+  st = s.stats[0]
+  ids = s.text_ids(0)
+  return dict(text=_decode(tok, ids), ids=ids, wall_s=wall, tokens=st.tokens,
+              forwards=st.forwards, theoretical_speedup=st.theoretical_speedup,
+              tokens_per_forward=st.tokens_per_forward, parsed=st.well_formed,
+              threads=st.threads, rounds=st.rounds, degraded=list(st.degraded),
+              raw=_decode(tok, s.results[0].token_ids))
+
+
+def run_sot(engine, tok, question, sc) -> dict:
+  """Skeleton-of-Thought on one question."""
+  from selforch_jax.runtime import sot
+  r = sot.skeleton_of_thought(engine, tok, question, skeleton_tokens=sc.skeleton_tokens,
+                              point_tokens=sc.point_tokens, max_points=sc.max_points)
+  ids = tok.encode(r.text)
+  return dict(text=r.text, ids=ids, wall_s=r.wall_s, tokens=r.tokens, forwards=r.forwards,
+              theoretical_speedup=r.tokens / r.forwards, tokens_per_forward=r.tokens / r.forwards,
+              parsed=r.parsed, points=len(r.points))
+
+
+def run_apar(engine, tok, prompt, max_new, apc) -> dict:
+  """APAR-style decoding on one prompt."""
+  from selforch_jax.runtime import apar
+  r = apar.apar_generate(engine, prompt, tok, max_new_tokens=max_new,
+                         child_tokens=apc.child_tokens, max_forks=apc.max_forks,
+                         stop_ids=tok.stop_ids)
+  return dict(text=_decode(tok, r.token_ids), ids=r.token_ids, wall_s=r.wall_s, tokens=r.tokens,
+              forwards=r.forwards, theoretical_speedup=r.tokens / r.forwards,
+              tokens_per_forward=r.tokens / r.forwards, parsed=r.forks > 0, forks=r.forks)
+
+
+def summarize(recs: list[dict], ar_recs: list[dict], ec, judge_scores=None) -> dict:
+  """Every figure of one system over the prompts (see the module docstring)."""
+  out = {
+      "n": len(recs),
+      "wall_speedup": _geo_ci([a["wall_s"] / r["wall_s"] for r, a in zip(recs, ar_recs)], ec),
+      "theoretical_speedup": _ci([r["theoretical_speedup"] for r in recs], ec),
+      "tokens_per_forward": _ci([r["tokens_per_forward"] for r in recs], ec),
+      "parse_rate": _ci([float(r["parsed"]) for r in recs], ec),
+      "nll": _ci([r["nll"] for r in recs], ec),
+      "nll_minus_ar": _paired([r["nll"] for r in recs], [a["nll"] for a in ar_recs], ec),
+      "length": _ci([r["length"] for r in recs], ec),
+      "wall_s": _ci([r["wall_s"] for r in recs], ec),
+  }
+  if judge_scores is not None:
+    out["win_rate_vs_ar"] = judge_scores["ci"]
+    out["judge_unparsed"] = judge_scores["unparsed"]
+  return out
+
+
+def forced_plan(engine, tok, tv, prompts, fc, ec) -> dict:
+  """The forced-plan measurement (module docstring): PASTA threads vs AR, same token count."""
+  from selforch_jax.lang import Promise, Round, serialize
+  from selforch_jax.runtime import ar, pasta
+  recs = []
+  for p in prompts:
+    plan = []
+    for k in range(fc.promises):
+      plan.append(Promise(tuple(tok.encode(f" part {k + 1}")), int(fc.length)))
+    forced = p + serialize([Round(plan=tuple(plan), sync=False)], tv) + [tv.async_open]
+    t0 = time.perf_counter()
+    s = pasta.generate(engine, [forced], tv, max_new_tokens=fc.promises * (20 * fc.length + 2) + 1,
+                       stop_ids=(), cap=fc.cap)
+    wp = time.perf_counter() - t0
+    st = s.stats[0]
+    n_tok = st.tokens
+    steps0 = engine.num_steps
+    t0 = time.perf_counter()
+    ar.generate(engine, [forced[:-1]], max_new_tokens=n_tok)
+    wa = time.perf_counter() - t0
+    recs.append(dict(tokens=n_tok, pasta_forwards=st.forwards, ar_forwards=engine.num_steps - steps0,
+                     pasta_wall_s=wp, ar_wall_s=wa, threads=st.threads,
+                     tokens_per_forward=st.tokens_per_forward, wall_speedup=wa / wp))
+  return {"records": recs,
+          "tokens_per_forward": _ci([r["tokens_per_forward"] for r in recs], ec),
+          "wall_speedup": _geo_ci([r["wall_speedup"] for r in recs], ec),
+          "promises": fc.promises, "length": fc.length, "cap": fc.cap}
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """The whole evaluation (module docstring); writes the JSON, JSONL and PNG into ``workdir``."""
+  from selforch_jax.data.sources import load_examples, prompt_and_reference
+  from selforch_jax.eval import judges
+  from selforch_jax.eval.plots import pareto_plot
+
+  validate(config)
+  ec = config
+  systems = [s for s in config.systems.split(",") if s]
+  rows = load_examples("alpaca_eval", split="test", max_examples=ec.offset + ec.n)[ec.offset:]
+  os.makedirs(workdir, exist_ok=True)
+  t_start = time.perf_counter()
+  base_model, base_tok, base_tv = _load(config, config.baseline)
+  same = not config.pasta and not config.baseline
+  p_model, p_tok, p_tv = (base_model, base_tok, base_tv) if same else _load(config, config.pasta)
+  questions = [prompt_and_reference(r)[0][-1]["content"] for r in rows]
+  prompts = [base_tok.encode_chat(prompt_and_reference(r)[0], add_generation_prompt=True)
+             for r in rows]
+  p_prompts = prompts if same else [p_tok.encode_chat(prompt_and_reference(r)[0],
+                                                      add_generation_prompt=True) for r in rows]
+  P = max(len(p) for p in prompts + p_prompts)
+  sc, apc, fc = config.sot, config.apar, config.forced
+  need = max(P + ec.max_new_tokens + 64,
+             sc.max_points * (P + 256 + sc.skeleton_tokens + sc.point_tokens + 32),
+             P + fc.promises * (20 * fc.length + 10) * 2 + 64)
+  ps = config.page_size
+  base_engine = _engine(base_model, need + 4 * ps, ps)
+  p_engine = base_engine if same else _engine(p_model, need + 4 * ps, ps)
+  for e in {id(base_engine): base_engine, id(p_engine): p_engine}.values():
+    if config.warmup:
+      _warm_up(e, max(P, 256 + P, 2 * sc.max_points + 8))
+  nll = _NLL(base_model)
+  recs = {s: [] for s in systems}
+  for i, (q, pr, pp) in enumerate(zip(questions, prompts, p_prompts)):
+    for s in systems:
+      if s == "ar":
+        r = run_ar(base_engine, base_tok, pr, ec.max_new_tokens)
+      elif s == "pasta":
+        r = run_pasta(p_engine, p_tok, p_tv, pp, ec.max_new_tokens, ec.cap)
+      elif s == "sot":
+        r = run_sot(base_engine, base_tok, q, sc)
+      else:
+        r = run_apar(base_engine, base_tok, pr, ec.max_new_tokens, apc)
+      resp = base_tok.encode(r["text"])
+      r.update(nll=nll(pr, resp), length=len(resp), prompt_index=ec.offset + i, system=s)
+      recs[s].append(r)
+    print(f"  {i + 1}/{len(rows)}: " + " ".join(
+        f"{s} {recs[s][-1]['wall_s']:.2f}s" for s in systems), file=sys.stderr)
+  judge = judges.make_judge(config.judge, base_engine, base_tok)
+  out = {"n": len(rows), "subset": [ec.offset, ec.offset + len(rows)],
+         "file": "data/alpaca_eval/gpt4_1106_preview_model_outputs.json",
+         "config": config.to_dict(), "machine": {"backend": jax.default_backend(),
+                                                 "devices": len(jax.devices())},
+         "models": {"baseline": config.baseline or config.model.weights,
+                    "pasta": config.pasta or f"{config.model.weights} + untrained tag rows"},
+         "systems": {}}
+  for s in systems:
+    js = None
+    if judge is not None and s != "ar":
+      js = judges.win_rate(judge, questions, [r["text"] for r in recs[s]],
+                           [r["text"] for r in recs["ar"]], n_boot=ec.n_boot, seed=ec.seed)
+    out["systems"][s] = summarize(recs[s], recs["ar"], ec, js)
+  points = []
+  for lab, path in _pareto_runs(config.pareto):
+    m, t, tv = _load(config, path)
+    e = _engine(m, need + 4 * ps, ps)
+    if config.warmup:
+      _warm_up(e, max(P, 2 * sc.max_points + 8))
+    rr = []
+    for i, pr in enumerate(prompts):
+      r = run_pasta(e, t, tv, t.encode_chat(prompt_and_reference(rows[i])[0],
+                                            add_generation_prompt=True), ec.max_new_tokens, ec.cap)
+      resp = base_tok.encode(r["text"])
+      r.update(nll=nll(pr, resp), length=len(resp), prompt_index=ec.offset + i, system=lab)
+      rr.append(r)
+    out["systems"][f"pasta[{lab}]"] = summarize(rr, recs["ar"], ec)
+    recs[f"pasta[{lab}]"] = rr
+  if fc.n > 0:
+    out["forced_plan"] = forced_plan(p_engine, p_tok, p_tv, p_prompts[:fc.n], fc, ec)
+  for name, summ in out["systems"].items():
+    if name == "ar" or summ["wall_speedup"] is None or summ["nll_minus_ar"] is None:
+      continue
+    y = summ.get("win_rate_vs_ar") or {k: (-v if k != "n" else v) for k, v in
+                                       summ["nll_minus_ar"].items()}
+    if "win_rate_vs_ar" not in summ:
+      y = dict(y, lo=y["hi"], hi=y["lo"])
+    points.append(dict(label=name, x=summ["wall_speedup"], y=y,
+                       kind="pasta" if name.startswith("pasta") else "baseline"))
+  if points:
+    ylabel = ("judge win rate vs AR" if judge is not None else
+              "quality: AR NLL - system NLL (nats/token, higher is better)")
+    ref_y = {"mean": 0.5 if judge is not None else 0.0, "lo": 0.5 if judge else 0.0,
+             "hi": 0.5 if judge else 0.0, "n": len(rows)}
+    one = {"mean": 1.0, "lo": 1.0, "hi": 1.0, "n": len(rows)}
+    points.append(dict(label="AR", x=one, y=ref_y, kind="reference"))
+    out["pareto_png"] = pareto_plot(points, os.path.join(workdir, "pasta_pareto.png"),
+                                    ylabel=ylabel, title=f"AlpacaEval n={len(rows)}")
+  out["total_wall_s"] = time.perf_counter() - t_start
+  with open(os.path.join(workdir, "pasta_eval_records.jsonl"), "w", encoding="utf-8") as f:
+    for s, rs in recs.items():
+      for r in rs:
+        f.write(json.dumps({k: v for k, v in r.items() if k != "ids"}, ensure_ascii=False) + "\n")
+  with open(os.path.join(workdir, "pasta_eval.json"), "w") as f:
+    json.dump(out, f, indent=2)
+  return out
+
+
+def summary(out: dict) -> str:
+  """Human-readable lines: one per system with every figure's mean [lo, hi] (n)."""
+  from selforch_jax.eval.stats import format_ci
+  lines = [f"AlpacaEval prompts {out['subset'][0]}..{out['subset'][1]} (n={out['n']}), "
+           f"total {out['total_wall_s']:.0f} s"]
+  keys = ("wall_speedup", "theoretical_speedup", "tokens_per_forward", "parse_rate", "nll",
+          "nll_minus_ar", "length", "win_rate_vs_ar")
+  for name, s in out["systems"].items():
+    lines.append(f"{name}:")
+    for k in keys:
+      if s.get(k) is not None:
+        lines.append(f"  {k:20s} {format_ci(s[k])}")
+  if "forced_plan" in out:
+    fp = out["forced_plan"]
+    lines.append(f"forced plan ({fp['promises']} promises x length {fp['length']}):")
+    for k in ("tokens_per_forward", "wall_speedup"):
+      if fp[k] is not None:
+        lines.append(f"  {k:20s} {format_ci(fp[k])}")
+  return "\n".join(lines)

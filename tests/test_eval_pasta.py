@@ -1,0 +1,116 @@
+"""PASTA evaluation end to end on a tiny random model with SmolLM2's tokenizer (2 AlpacaEval
+prompts), the pairwise judges (OpenAI-compatible backend against a local ``http.server``; the
+local-model backend through the engine) and the Pareto plot."""
+
+import http.server
+import json
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from selforch_jax.eval import judges
+from selforch_jax.eval import pasta as eval_pasta
+from selforch_jax.eval.plots import pareto_plot
+
+
+def test_eval_pasta_tiny(tmp_path):
+  c = eval_pasta.defaults()
+  c.model.preset = "tiny_smollm2"
+  c.model.weights = "random"
+  c.model.tokenizer = "smollm2_gguf"
+  c.model.tags = True
+  c.n, c.max_new_tokens, c.offset = 2, 6, 3
+  c.sot.skeleton_tokens, c.sot.point_tokens, c.sot.max_points = 4, 4, 2
+  c.apar.child_tokens = 4
+  c.forced.n, c.forced.promises, c.forced.length = 1, 3, 1
+  c.n_boot = 200
+  c.warmup = False   # compiles happen inside the timed runs here (a test, not a measurement)
+  c.judge.backend = "local"
+  out = eval_pasta.run(c, str(tmp_path))
+  saved = json.loads((tmp_path / "pasta_eval.json").read_text())
+  assert saved["n"] == 2 and saved["subset"] == [3, 5]
+  ar = saved["systems"]["ar"]
+  assert ar["theoretical_speedup"]["mean"] == pytest.approx(1.0)
+  assert ar["wall_speedup"]["mean"] == pytest.approx(1.0)
+  for s in ("pasta", "sot", "apar"):
+    d = saved["systems"][s]
+    for k in ("wall_speedup", "theoretical_speedup", "tokens_per_forward", "parse_rate", "nll",
+              "nll_minus_ar", "length", "win_rate_vs_ar"):
+      assert d[k]["n"] == 2 and d[k]["lo"] <= d[k]["mean"] <= d[k]["hi"], (s, k, d[k])
+    assert 0.0 <= d["win_rate_vs_ar"]["mean"] <= 1.0
+  # an untrained model never plans: PASTA decodes like AR (same text, 1 token per forward)
+  recs = [json.loads(l) for l in (tmp_path / "pasta_eval_records.jsonl").read_text().splitlines()]
+  by = {(r["system"], r["prompt_index"]): r for r in recs}
+  for i in (3, 4):
+    if by[("pasta", i)]["threads"] == 0 and by[("pasta", i)]["parsed"]:
+      assert by[("pasta", i)]["text"] == by[("ar", i)]["text"]
+      assert by[("pasta", i)]["nll"] == pytest.approx(by[("ar", i)]["nll"], abs=1e-5)
+  assert out["systems"]["sot"]["length"]["n"] == 2
+  # forced plan: 3 threads of 20 tokens each decoded together
+  fp = saved["forced_plan"]
+  assert fp["records"][0]["threads"] == 3
+  assert fp["records"][0]["ar_forwards"] == fp["records"][0]["tokens"]
+  assert fp["tokens_per_forward"]["mean"] > 2.5
+  assert (tmp_path / "pasta_pareto.png").stat().st_size > 1000
+  assert "pasta" in eval_pasta.summary(out)
+
+
+class _FakeJudge(http.server.BaseHTTPRequestHandler):
+  """An OpenAI-compatible endpoint that prefers the longer output (answers m or M)."""
+
+  requests = []
+
+  def do_POST(self):  # noqa: N802 - http.server API
+    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    _FakeJudge.requests.append((self.path, self.headers.get("Authorization"), body))
+    prompt = body["messages"][0]["content"]
+    a = prompt.split("### Output (m)\n\n")[1].split("\n\n### Output (M)")[0]
+    b = prompt.split("### Output (M)\n\n")[1].split("\n\n## Task")[0]
+    reply = "m" if len(a) > len(b) else ("M" if len(b) > len(a) else "tie")
+    data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+    self.send_response(200)
+    self.send_header("Content-Type", "application/json")
+    self.send_header("Content-Length", str(len(data)))
+    self.end_headers()
+    self.wfile.write(data)
+
+  def log_message(self, *args):
+    pass
+
+
+def test_openai_judge_against_local_server():
+  server = http.server.HTTPServer(("127.0.0.1", 0), _FakeJudge)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    j = judges.OpenAIJudge(f"http://127.0.0.1:{server.server_port}/v1", "judge-x", api_key="k1")
+    res = judges.win_rate(j, ["q1", "q2", "q3"], ["long answer", "s", "same"],
+                          ["short", "longer one", "same"], n_boot=100)
+  finally:
+    server.shutdown()
+  assert res["per_example"] == [1.0, 0.0, 0.5]
+  assert res["ci"]["n"] == 3 and res["ci"]["mean"] == pytest.approx(0.5)
+  assert res["unparsed"] == 2  # the tie, in both orders
+  path, auth, body = _FakeJudge.requests[0]
+  assert path == "/v1/chat/completions" and auth == "Bearer k1"
+  assert body["model"] == "judge-x" and body["temperature"] == 0
+  assert "## Instruction\n\nq1" in body["messages"][0]["content"]
+
+
+def test_pareto_plot_and_errors(tmp_path):
+  ci = lambda m: {"mean": m, "lo": m - 0.1, "hi": m + 0.1, "n": 5}
+  pts = [dict(label="pasta λ=1", x=ci(1.5), y=ci(-0.2), kind="pasta"),
+         dict(label="pasta λ=4", x=ci(1.2), y=ci(-0.05), kind="pasta"),
+         dict(label="SoT", x=ci(0.8), y=ci(-0.4), kind="baseline"),
+         dict(label="AR", x=ci(1.0), y=ci(0.0), kind="reference")]
+  p = pareto_plot(pts, str(tmp_path / "p.png"))
+  assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  with pytest.raises(ValueError, match="at least one"):
+    pareto_plot([], p)
+  with pytest.raises(ValueError, match="lacks x or y"):
+    pareto_plot([dict(label="bad", x=ci(1.0))], p)
+  c = eval_pasta.defaults()
+  c.systems = "pasta,sot"
+  with pytest.raises(Exception, match="'ar' required"):
+    eval_pasta.validate(c)
