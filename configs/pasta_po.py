@@ -1,0 +1,69 @@
+r"""PASTA policy optimization: BoNBoN / IPO rounds (PASTA paper §4) on GSM8K prompts.
+
+Each round samples ``bonbon.num_samples`` responses per prompt with the PASTA scheduler (the
+runtime forks a thread per promise), scores each response
+
+  score = theoretical_speedup + lambda * quality,
+  theoretical_speedup = response tokens / critical-path decode steps (trainers/bonbon.py:
+                        1.0 for a plain AR answer, more when threads run in parallel),
+  quality = -(mean per-token NLL of the response under pi_ref)   (judge-free),
+
+with lambda = ``bonbon.quality_weight`` (arg ``quality_weight``), pairs the best and the worst
+response of each prompt and trains alpha * SFT(best) + IPO against the initial model
+(``trainers/bonbon.py``). The training forward uses the rollout's ``build_layout`` mask
+(``bonbon.layout_mask``), so it sees what the runtime saw.
+
+Run (the policy is the PASTA SFT run in ``out/pasta_sft``):
+  python -m selforch_jax.train --config=configs/pasta_po.py:init_from=out/pasta_sft \
+      --workdir=out/pasta_po
+  # tiny smoke run (random weights, the real tokenizer):
+  python -m selforch_jax.train --config=configs/pasta_po.py:model=tiny_smollm2,steps=1 \
+      --config.bonbon.max_new_tokens=8 --workdir=/tmp/pasta_po
+
+Arguments (``:k=v,...``): model (preset; smollm2_135m loads the GGUF weights), init_from (an SFT
+workdir, "" = the model section), scheduler (default "pasta" when the runtime registers it,
+else "ar"), quality_weight (lambda), steps (rounds), lora_rank.
+"""
+
+from selforch_jax import config_lib
+from selforch_jax.runtime.registry import available
+from selforch_jax.trainers.po_run import po_defaults
+
+
+def get_config(arg=None):
+  a = config_lib.parse_arg(arg, model="smollm2_135m", init_from="",
+                           scheduler="pasta" if "pasta" in available() else "ar",
+                           quality_weight=1.0, steps=4, lora_rank=8)
+  c = po_defaults("bonbon")
+  c.model.preset = a.model
+  if a.model == "smollm2_135m":
+    c.model.weights = "smollm2_gguf"
+  else:
+    c.model.weights = "random"
+    c.model.tokenizer = "smollm2_gguf"
+  c.model.tags = True
+  c.model.lora_rank = a.lora_rank
+  c.model.lora_alpha = 2.0 * a.lora_rank if a.lora_rank else 16.0
+  b = c.bonbon
+  b.init_from = a.init_from or None
+  b.scheduler = a.scheduler
+  b.layout_mask = True
+  b.score = "pasta"
+  b.quality = "ref_nll"
+  b.quality_weight = a.quality_weight
+  b.num_samples = 4
+  b.prompts_per_round = 2
+  b.updates_per_round = 2
+  b.pairs_per_step = 2
+  b.max_new_tokens = 96
+  b.temperature = 0.8
+  b.alpha = 1.0
+  b.tau = 0.1
+  b.max_prompt_tokens = 200
+  c.optim.lr = 5e-5 if a.lora_rank else 1e-5
+  c.optim.warmup_steps = 0
+  c.optim.schedule = "constant"
+  c.train.steps = a.steps
+  c.train.checkpoint_every = 1
+  c.train.keep = 2
+  return c
