@@ -12,9 +12,14 @@ from the initial model on resume, and the rollout seed of loop step s is drawn f
 ``numpy.random.default_rng([seed, s])``,
 so an interrupted and resumed run gives the same parameters as a straight one.
 
-Example (GRPO of SmolLM2-135M-Instruct on GSM8K, CPU-sized)::
+Examples (GRPO of SmolLM2-135M-Instruct with LoRA on GSM8K, CPU-sized; BoNBoN for PASTA)::
 
-  python -m selforch_jax.train --config=configs/smollm2_135m.py ... (see configs/pasta_po.py)
+  python -m selforch_jax.train --config=configs/sft.py:model=smollm2_135m,lora_rank=8,steps=3 \
+      --config.trainer=grpo --config.grpo.group_size=4 --config.grpo.prompts_per_step=2 \
+      --config.grpo.max_new_tokens=96 --config.grpo.max_prompt_tokens=160 \
+      --config.optim.warmup_steps=0 --workdir=out/grpo
+  python -m selforch_jax.train --config=configs/pasta_po.py:init_from=out/pasta_sft \
+      --workdir=out/pasta_po
 """
 
 from __future__ import annotations
