@@ -95,3 +95,14 @@ def test_dataset_files_match_the_generator_and_load():
   train_q = {json.loads(l)["question"] for l in (REPO / "data/synthetic_chain/train.jsonl").open()}
   test_q = [json.loads(l)["question"] for l in (REPO / "data/synthetic_chain/test.jsonl").open()]
   assert sum(q in train_q for q in test_q) < 5   # splits barely overlap (different seeds)
+
+
+def test_gold_graph_through_the_annotator_path_gives_the_same_tags():
+  """tip_report's synthetic path (annotate_with_graph on the dense solution) reproduces the
+  generator's annotated solution."""
+  from selforch_jax.lang.annotators.tip_gsm8k import annotate_with_graph, split_steps
+  for p in generate_split(50, 2):
+    steps = split_steps(p.solution)
+    assert len(steps) == len(p.uses)
+    out = annotate_with_graph(steps, [set(u) for u in p.uses], len(steps) - 1, 8)
+    assert out.text == p.annotated
