@@ -176,3 +176,48 @@ def test_malformed_plans_finish_with_all_text_kept():
                "stray_tag", "tag_in_promise"):
     assert rules[rule] > 0, (rule, rules)
   assert stops_in_plan > 0 or rules["unclosed_promise"] > 0, rules
+
+
+def test_pasta_scheduler_train_equals_decode_smollm2():
+  """The oracle on the real SmolLM2 with the scheduler's own step grouping (threads batched,
+  ``<sync/>`` fused into the last thread step): every query's engine logits equal the training
+  forward's (``build_layout``-equivalent stream-mode layout), tolerance as in
+  ``test_runtime_oracle_smollm2.py``; a prompt + teacher-forced PLAN of 3 promises forks 3 threads."""
+  from selforch_jax.checkpoints.assets import smollm2_gguf_path
+  from selforch_jax.checkpoints.gguf_import import load_gguf
+  from selforch_jax.lang import add_tags, build_layout
+  from selforch_jax.tokenizers import HFTokenizer
+
+  path = smollm2_gguf_path()
+  _, model, _ = load_gguf(path)
+  tok = HFTokenizer.from_gguf(path)
+  tv = add_tags(tok, model)
+  prompt = tok.encode_chat([{"role": "user", "content": "Give three tips for sleeping well."}])
+  plan = [Promise(tuple(tok.encode(w)), 1) for w in (" routine", " light", " caffeine")]
+  prompt += serialize([Round(plan=tuple(plan), sync=False)], tv) + [tv.async_open]
+  logits_of = {}
+
+  class Recording(pasta.PASTAScheduler):
+    def on_step(self, plan, result):
+      for j, i in enumerate(plan.tag[3]["index"]):
+        logits_of[i] = np.asarray(result.logits[j])
+      super().on_step(plan, result)
+
+  engine = Engine(model, num_pages=16, page_size=8)
+  sched = Recording([prompt], tv, max_new_tokens=20, length_unit=2, cap=1, stop_ids=[])
+  run(engine, sched)
+  lay = sched.layout(0)
+  assert sched.stats[0].threads == 3 and sched.stats[0].rounds == 1
+  graphdef, state = nnx.split(model)
+  fwd = jax.jit(lambda st, t, p, m: nnx.merge(graphdef, st)(t, p, m)[0])
+  full = _full(fwd, state, lay)
+  idx = sorted(logits_of)
+  eng = np.stack([logits_of[i] for i in idx])
+  assert float(np.abs(eng - full[idx]).max()) < 5e-4
+  np.testing.assert_array_equal(eng.argmax(-1), full[idx].argmax(-1))
+  # the stream-mode layout is the training layout (annotated_example: build_layout with
+  # eos_ids=()) of the canonical sequence, up to the order of thread tokens
+  canon = build_layout(prompt[:-1] + sched.results[0].token_ids, tv, eos_ids=(), cap=1,
+                       length_unit=2)
+  assert sorted(zip(canon.positions.tolist(), canon.token_ids.tolist())) == \
+      sorted(zip(lay.positions.tolist(), lay.token_ids.tolist()))

@@ -20,8 +20,8 @@ Every token's position, segment and visible segments come from
   the end of its promise;
 * every engine step runs the next token of every live thread of every request (continuous
   batching in one flat KV row); a thread ends at its ``</async>``, at its cap
-  ``max(2·10·N, cap)`` or at an EOS it generated (parser rules ``chunk_cap``,
-  ``eos_in_thread``); the token that ends it is still run (its K/V is part of the chunk the
+  ``max(2·10·N, cap)`` (parser rule ``chunk_cap``) or at a stop token it generated (replaced by
+  ``</async>``); the token that ends it is still run (its K/V is part of the chunk the
   join sees), its logits are discarded;
 * when the last live thread ends, ``<sync/>`` is fed and run *in the same step* (it sees the
   chunk tokens written by that step, which the step mask allows), and its logits give the main
@@ -30,7 +30,8 @@ Every token's position, segment and visible segments come from
 
 Malformed output (the parser's degradation rules) never stops decoding and loses no text:
 a promise without a length gets no thread, nested tags inside a thread are thread text, a
-thread that never closes is closed at its cap, EOS inside a PLAN joins (forced), and a job
+thread that never closes is closed at its cap, a stop token inside a thread closes it (fed as
+``</async>``), a stop token inside a PLAN ends the request with a forced join, and a job
 that runs out of ``max_new_tokens`` with live threads is finished by ``LayoutBuilder.finish``
 (forced closes and join). A request is *well-formed* iff no ``Degraded`` event occurred.
 
@@ -156,6 +157,7 @@ class _Request:
     self.pending_src: dict[int, int | None] = {}  # stream -> query index that sampled it
     self.pred_map: dict[int, int] = {}   # builder index -> index of the query that sampled it
     self.slot_of: dict[int, int] = {}    # builder index -> pool slot (until evicted)
+    self.notes: list[str] = []           # runtime degradations (a stop token inside a thread)
     self.seg_map: dict[int, int] = {}    # builder segment -> engine segment
     self.owner_of: dict[int, int] = {}   # stream (MAIN or thread key) -> owner
     self.thread_owner_key = 0
@@ -207,8 +209,10 @@ class PASTAScheduler(Scheduler):
       tags included); a request reaching it is finished with forced closes and join.
     sampling: :class:`SamplingParams` (greedy by default); the key of step i is
       ``fold_in(PRNGKey(seed), i)`` over all rows sampled in that step.
-    stop_ids: ids that end the main thread (not included in the output); inside a thread they
-      end that thread (parser rule ``eos_in_thread``). They are added to ``tag_vocab.eos_ids``.
+    stop_ids: ids that end the main thread (not included in the output); one sampled inside a
+      thread ends that thread: the runtime feeds ``</async>`` in its place (noted as
+      ``eos_in_thread``). The layout reads ``tag_vocab.eos_ids`` as text (``eos_ids=()``, as
+      the training data's ``build_layout`` does), so prompts may hold end-of-turn tokens.
     cap: floor of a thread's budget ``max(2·length_unit·N, cap)`` (None: unlimited).
     length_unit: tokens per promise unit N (10 in DESIGN.md §3).
     owner_base / segment_base: first owner / segment id this job uses (it allocates more as
@@ -233,8 +237,9 @@ class PASTAScheduler(Scheduler):
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     self.stops = frozenset(int(s) for s in stop_ids)
-    self.tv = dataclasses.replace(tag_vocab,
-                                  eos_ids=tuple(sorted(set(tag_vocab.eos_ids) | self.stops)))
+    # the training layout (data.annotated: build_layout with eos_ids=()) reads EOS as text; the
+    # runtime never feeds a stop token (the main thread ends, a thread gets </async>)
+    self.tv = dataclasses.replace(tag_vocab, eos_ids=())
     self.max_new = int(max_new_tokens)
     self.sampling = sampling
     self.key = jax.random.PRNGKey(sampling.seed)
@@ -427,6 +432,12 @@ class PASTAScheduler(Scheduler):
       if tok == self.tv.async_open and r.round_lengths:
         self._fork(r, tok, lp, injected=False, src=from_index)
         return
+    elif tok in self.stops:  # a stop token inside a thread ends the thread: fed as </async>
+      r.notes.append(f"{r.builder.num_tokens + len(r.pending)}: eos_in_thread")
+      r.pending[stream], r.pending_lp[stream], r.pending_injected[stream] = \
+          self.tv.async_close, 0.0, True
+      r.pending_src[stream] = None
+      return
     r.pending[stream], r.pending_lp[stream], r.pending_injected[stream] = tok, lp, False
     r.pending_src[stream] = from_index
 
@@ -460,7 +471,7 @@ class PASTAScheduler(Scheduler):
       self.injected.append(list(r.main_injected))
       stop = r.stop_token is not None
       tokens = len(r.main) + int(stop)
-      notes = r.builder.layout().notes
+      notes = r.builder.layout().notes + tuple(r.notes)
       content = len(self._text_ids(r))
       self.stats.append(PastaStats(
           tokens=tokens, sampled_tokens=r.sampled, content_tokens=content,
