@@ -18,6 +18,10 @@ Modules (one job each):
   sequence to the engine step by step (the train = decode oracle, DESIGN.md §2.2).
 * :mod:`~selforch_jax.runtime.annotated` — random annotated sequences of every kind (tests,
   fuzzing).
+* :mod:`~selforch_jax.runtime.pasta` — :class:`PASTAScheduler`: promised chunks decoded as
+  parallel AR threads (stream-mode ``LayoutBuilder``), joined at ``<sync/>``.
+* :mod:`~selforch_jax.runtime.sot` / :mod:`~selforch_jax.runtime.apar` — the Skeleton-of-Thought
+  and APAR-style baselines on the same engine.
 * :mod:`~selforch_jax.runtime.kv_policies` — :class:`PolicyScheduler` (the AR scheduler with a
   per-request KV policy and live-KV accounting) and the budget baselines: dense, StreamingLLM,
   H2O, paged H2O.
