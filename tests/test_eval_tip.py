@@ -52,6 +52,12 @@ def test_eval_tip_all_systems_matched_budgets(tmp_path):
         assert x["peak_live_tokens"] <= max(x["budget"], prompt_len)
       # the budget bit: every baseline holds less live KV on average than dense
       assert r["systems"][s]["live_kv_mean_tokens"] < r["systems"]["dense"]["live_kv_mean_tokens"]
+    # the reference solutions with register tags, teacher-forced through TIP
+    tf = r["teacher_forced"]
+    assert tf["n"] == 3 and tf["tip_live_kv_peak_tokens"] <= tf["dense_live_kv_peak_tokens"]
+    if d == "synthetic_chain":     # its annotations kill steps: live KV strictly below dense
+      assert tf["tip_live_kv_mean_tokens"] < tf["dense_live_kv_mean_tokens"]
+      assert 0 < tf["killed_share"] < 1 and tf["response_reduction_mean"] > tf["reduction_mean"]
     # a problem's reference is its final answer (synthetic chain: the computed value)
     if d == "synthetic_chain":
       assert all(x["reference"].lstrip("-").isdigit() for x in recs["tip"])

@@ -212,3 +212,49 @@ def test_malformed_register_use_degrades_and_loses_no_text(setup):
   ref, _ = reference_logits(setup, [1, 2] + bad)
   assert np.abs(np.stack(sched.step_logits[0]) - ref[1:-1]).max() < 1e-5
   assert sched.layout(0).notes      # the parser's degradation rules applied
+
+
+def test_teacher_forced_gsm8k_solution_on_smollm2():
+  """Real SmolLM2-135M (tag rows added): a GSM8K solution annotated with registers by the
+  ``tip_gsm8k`` annotator, teacher-forced through the TIP scheduler. The incremental logits equal
+  the training forward with build_layout's mask (within 1e-5 of the logit scale, as the SmolLM2
+  oracle test: float32 noise of this 30-layer model is ~1e-4 absolute), and the live KV is below
+  dense (prompt + tokens so far) wherever a step has died."""
+  from selforch_jax.checkpoints.assets import smollm2_gguf_path
+  from selforch_jax.checkpoints.gguf_import import load_gguf
+  from selforch_jax.data.sources import load_examples
+  from selforch_jax.lang import add_tags
+  from selforch_jax.lang.annotators import get_annotator
+  from selforch_jax.tokenizers import HFTokenizer
+
+  path = smollm2_gguf_path()
+  _, model, _ = load_gguf(path)
+  tok = HFTokenizer.from_gguf(path)
+  tv = add_tags(tok, model, 8)
+  ex = load_examples("gsm8k", split="test", max_examples=1)[0]
+  q, sol = ex["messages"][0]["content"], ex["messages"][1]["content"]
+  ann = get_annotator("tip_gsm8k", num_registers=8).annotate(q, sol)
+  assert ann.info["evicted"]                           # this solution has dead steps
+  prompt = tok.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
+  forced = tok.encode(ann.text) + [tok.stop_ids[-1]]
+  engine = Engine(model, num_pages=32, page_size=16)
+  sched = TIPScheduler(engine, [prompt], tv, forced=[forced], keep_logits=True,
+                       stop_ids=tok.stop_ids)
+  run(engine, sched)
+  ids = prompt + forced
+  lay = build_layout(ids, dataclasses.replace(tv, eos_ids=()))
+  graphdef, state = nnx.split(model)
+  b = batch_layouts([lay], -(-len(ids) // 64) * 64)
+  ref = np.asarray(jax.jit(lambda s, t, p, m: nnx.merge(graphdef, s)(t, p, m)[0])(
+      state, b["tokens"], b["positions"], b["mask"]))[0, len(prompt) - 1:len(ids) - 1]
+  got = np.stack(sched.step_logits[0])
+  assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max()
+  assert (got.argmax(-1) == ref.argmax(-1)).all()
+  live = np.asarray(sched.live_trace[0])
+  dense = len(prompt) + np.arange(live.size)           # dense: every token stays
+  assert live.tolist() == brute_live(lay, len(prompt) - 1, len(ids) - 1)
+  assert (live <= dense).all() and live[-1] < dense[-1]
+  print(f"\nSmolLM2 teacher-forced GSM8K test[0]: prompt {len(prompt)}, response {len(forced)} "
+        f"tokens; live KV mean {live.mean():.1f} / peak {live.max()} vs dense mean "
+        f"{dense.mean():.1f} / peak {dense.max()}; response-only mean {live.mean() - len(prompt):.1f}"
+        f" vs {dense.mean() - len(prompt):.1f}; max |err| {np.abs(got - ref).max():.2e}")

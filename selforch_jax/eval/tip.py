@@ -17,10 +17,13 @@ of digits) for every problem. Budgets are at least ``n_sink + 2`` tokens.
 Reported per system (``DIR/tip_eval.json``): exact-match accuracy (``eval/answers.py`` answer
 extraction on the tag-stripped output, :func:`~selforch_jax.lang.assemble.assemble` order) with a
 bootstrap 95% CI and n; live KV per problem (mean and peak, tokens and bytes; averaged over
-problems, and the largest peak); decode wall-clock (every scheduler run of the system, compiles
-excluded: each engine program is compiled by a warm-up first) and generated tokens; the budget
-used. Per dataset also the paired differences TIP - each system (bootstrap CI) and the live-KV
-reduction of TIP vs dense. Per-problem records go to ``DIR/tip_<dataset>_<system>.jsonl`` and
+problems, and the largest peak); decode wall-clock (``decode_s``: every scheduler run of the
+system, prefill included, compiles excluded: each engine program is compiled by a warm-up first)
+and generated tokens; the budget used. Per dataset also the paired differences TIP - each system (bootstrap CI) and the live-KV
+reduction of TIP vs dense, and (``eval.teacher_forced``) the live KV of the *reference*
+solutions with register tags teacher-forced through TIP (the synthetic task's own annotation,
+the ``tip_gsm8k`` annotator for GSM8K): what eviction saves when the model writes the annotated
+solution, measurable before any training. Per-problem records go to ``DIR/tip_<dataset>_<system>.jsonl`` and
 the plot of accuracy vs mean live KV to ``DIR/tip_accuracy_vs_live_kv.png``.
 
 Models: ``tip`` / ``dense`` are training workdirs (latest checkpoint, LoRA merged) or HF
@@ -56,7 +59,8 @@ def defaults() -> ml_collections.ConfigDict:
   ``tip,dense,streaming_llm,h2o,paged_h2o``), ``budget`` (``tip_mean``, ``tip_peak`` or an
   integer string), ``n_sink`` (StreamingLLM sinks), ``recent_ratio`` (H2O window share),
   ``page_size`` (KV page tokens), ``temperature`` / ``seed`` (0 = greedy), ``n_boot``,
-  ``system_prompt``, ``prompt_suffix``.
+  ``system_prompt``, ``prompt_suffix``, ``teacher_forced`` (also teacher-force the reference
+  solutions with register tags through TIP: :func:`teacher_forced_live_kv`).
   """
   mc = config_lib.model_defaults()
   mc.tags = True
@@ -65,7 +69,7 @@ def defaults() -> ml_collections.ConfigDict:
       eval=dict(datasets="gsm8k,synthetic_chain", n=300, offset=0, max_new_tokens=256,
                 batch_size=8, systems=",".join(SYSTEMS), budget="tip_mean", n_sink=4,
                 recent_ratio=0.5, page_size=16, temperature=0.0, seed=0, n_boot=10000,
-                system_prompt="", prompt_suffix=""),
+                system_prompt="", prompt_suffix="", teacher_forced=True),
   ))
 
 
@@ -191,6 +195,77 @@ def run_system(system: str, engine, prompts, tv, ec, stop_ids, budgets=None) -> 
   return {"results": results, "kv": kv, "decode_s": secs}
 
 
+def annotated_references(rows, dataset: str, num_registers: int) -> list[str] | None:
+  """The reference solutions with register tags: the row's own annotation (synthetic chain),
+  else the ``tip_gsm8k`` annotator on a GSM8K solution (a solution it cannot annotate stays
+  plain); None for a dataset with neither (MATH-500 / AIME references have no steps to tag)."""
+  from selforch_jax.lang.annotators import get_annotator
+  out = []
+  ann = get_annotator("tip_gsm8k", num_registers=num_registers) if dataset == "gsm8k" else None
+  for r in rows:
+    msgs = r["messages"]
+    if msgs[-1]["role"] != "assistant":
+      return None
+    q, sol = msgs[-2]["content"], msgs[-1]["content"]
+    if "<reg_" not in sol:
+      if ann is None:
+        return None
+      sol = ann.annotate(q, sol).text or sol
+    out.append(sol)
+  return out
+
+
+def teacher_forced_live_kv(engine, prompts, solutions, tok, tv, ec) -> dict:
+  """Teacher-force ``solutions`` (+ end of turn) through :class:`TIPScheduler`: the live KV that
+  TIP's eviction gives on the reference register annotations, against dense (which keeps every
+  token: ``P + k`` live tokens after step k), and the mean log-probability of the solution
+  tokens under eviction.
+
+  Returns:
+    ``n``, ``tip_live_kv_mean_tokens`` / ``..._peak_tokens``, ``dense_live_kv_mean_tokens`` /
+    ``..._peak_tokens`` (averages over problems), ``reduction_mean`` / ``reduction_peak``
+    (1 - TIP / dense), ``response_reduction_mean`` (the same over the response tokens only,
+    prompt excluded), ``mean_logprob``, ``killed_share`` (share of response tokens evicted by
+    the end), ``decode_s``.
+  """
+  from selforch_jax.runtime.scheduler import run
+  from selforch_jax.runtime.tip import TIPScheduler
+  forced = [tok.encode(s) + [tok.stop_ids[-1]] for s in solutions]
+  tip_m, tip_p, den_m, den_p, resp_t, resp_d, lps, killed = [], [], [], [], [], [], [], []
+  secs = 0.0
+  for s in range(0, len(prompts), ec.batch_size):
+    bp, bf = prompts[s:s + ec.batch_size], forced[s:s + ec.batch_size]
+    sched = TIPScheduler(engine, bp, tv, forced=bf, stop_ids=())
+    t0 = time.perf_counter()
+    run(engine, sched)
+    secs += time.perf_counter() - t0
+    for i, (p, f) in enumerate(zip(bp, bf)):
+      live = np.asarray(sched.live_trace[i], np.float64)
+      dense = len(p) + np.arange(live.size, dtype=np.float64)
+      tip_m.append(live.mean())
+      tip_p.append(live.max())
+      den_m.append(dense.mean())
+      den_p.append(dense.max())
+      resp_t.append((live - len(p)).clip(min=0).mean())
+      resp_d.append((dense - len(p)).mean())
+      lps.append(float(np.mean(sched.results[i].logprobs)))
+      lay = sched.layout(i)
+      killed.append(float((lay.kill_at[len(p):] < lay.num_tokens).mean()))
+    for o in sched.owners:
+      engine.pool.free_owner(int(o))
+  return {"n": len(prompts),
+          "tip_live_kv_mean_tokens": float(np.mean(tip_m)),
+          "tip_live_kv_peak_tokens": float(np.mean(tip_p)),
+          "dense_live_kv_mean_tokens": float(np.mean(den_m)),
+          "dense_live_kv_peak_tokens": float(np.mean(den_p)),
+          "reduction_mean": 1.0 - float(np.mean(tip_m)) / float(np.mean(den_m)),
+          "reduction_peak": 1.0 - float(np.mean(tip_p)) / float(np.mean(den_p)),
+          "response_reduction_mean": 1.0 - float(np.mean(resp_t)) / max(float(np.mean(resp_d)),
+                                                                          1e-9),
+          "mean_logprob": float(np.mean(lps)), "killed_share": float(np.mean(killed)),
+          "decode_s": round(secs, 2)}
+
+
 def _budgets(ec, tip_kv: list[dict] | None, n: int) -> list[int]:
   lo = ec.n_sink + 2
   if ec.budget == "tip_mean":
@@ -213,19 +288,30 @@ def evaluate_dataset(dataset: str, models: dict, ec, workdir: str) -> dict:
   out = {"n": len(rows), "subset": [ec.offset, ec.offset + len(rows)], "systems": {}}
   correct, tip_kv = {}, None
   engines = {}
-  for system in systems:
-    model, tok, tv = models["tip" if system == "tip" else "dense"]
+  solutions = None
+  if ec.teacher_forced and models["tip"][2] is not None:
+    solutions = annotated_references(rows, dataset, models["tip"][2].num_registers)
+  order = (["teacher_forced"] if solutions is not None else []) + systems
+  for system in order:
+    model, tok, tv = models["dense" if system in SYSTEMS[1:] else "tip"]
     prompts, refs, questions = _prompts(rows, tok, ec)
     B = min(ec.batch_size, len(prompts))
     key = id(model)
     if key not in engines:
       K = tv.num_registers if tv is not None else 0
-      per = pages_per_request(max(map(len, prompts)), ec.max_new_tokens, ec.page_size, K)
+      longest = ec.max_new_tokens
+      if solutions is not None and model is models["tip"][0]:
+        longest = max(longest, max(len(tok.encode(x)) + 1 for x in solutions))
+      per = pages_per_request(max(map(len, prompts)), longest, ec.page_size, K)
       engines[key] = Engine(model, num_pages=B * per, page_size=ec.page_size)
       t0 = time.perf_counter()
       _warm_up(engines[key], [len(p) for p in prompts], B)
       print(f"  compiled {dataset} programs in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     engine = engines[key]
+    if system == "teacher_forced":
+      print(f"  {dataset}: reference solutions teacher-forced through TIP", file=sys.stderr)
+      out["teacher_forced"] = teacher_forced_live_kv(engine, prompts, solutions, tok, tv, ec)
+      continue
     budgets = None
     if system not in ("tip", "dense"):
       budgets = _budgets(ec, tip_kv, len(prompts))
@@ -344,6 +430,13 @@ def summary(out: dict) -> str:
       b = "" if m["budget_mean_tokens"] is None else f" budget {m['budget_mean_tokens']:.1f}"
       lines.append(f"  {s:14s} acc {m['accuracy_str']}  live KV mean {m['live_kv_mean_tokens']:.1f}"
                    f" peak {m['live_kv_peak_tokens']:.1f} tokens{b}  decode {m['decode_s']:.1f}s")
+    if "teacher_forced" in r:
+      t = r["teacher_forced"]
+      lines.append(f"  reference solutions teacher-forced through TIP: live KV mean "
+                   f"{t['tip_live_kv_mean_tokens']:.1f} vs dense {t['dense_live_kv_mean_tokens']:.1f}"
+                   f" (-{100 * t['reduction_mean']:.1f}%; response only "
+                   f"-{100 * t['response_reduction_mean']:.1f}%), peak "
+                   f"{t['tip_live_kv_peak_tokens']:.1f} vs {t['dense_live_kv_peak_tokens']:.1f}")
     if "live_kv_reduction_vs_dense" in r:
       red = r["live_kv_reduction_vs_dense"]
       lines.append(f"  TIP live KV vs dense: mean -{100 * red['mean']:.1f}%, "
