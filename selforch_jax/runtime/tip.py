@@ -29,6 +29,11 @@ Pieces:
   ``TIPPolicy`` per prompt: greedy / sampled (the AR scheduler's sampling) or teacher-forced;
   live KV per request in :attr:`kv_stats` (tokens and bytes, mean and peak).
 
+Scope: one causal main thread per request (what a TIP model writes). PASTA tags in the output
+go through the parser (register files per stream, malformed ones degrade to text), but thread
+visibility is not applied here; PASTA threads with registers inside are the PASTA scheduler's
+job (it can use :class:`RegisterKV` for the same per-step paging).
+
 Malformed register use degrades as the parser says (never raises; a register tag inside a
 promise abandons the promise, etc.), and no text is lost: :attr:`TIPScheduler.results` keep
 every generated token, and :func:`~selforch_jax.lang.assemble.assemble` gives the final text.
