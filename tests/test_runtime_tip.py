@@ -258,3 +258,42 @@ def test_teacher_forced_gsm8k_solution_on_smollm2():
         f"tokens; live KV mean {live.mean():.1f} / peak {live.max()} vs dense mean "
         f"{dense.mean():.1f} / peak {dense.max()}; response-only mean {live.mean() - len(prompt):.1f}"
         f" vs {dense.mean() - len(prompt):.1f}; max |err| {np.abs(got - ref).max():.2e}")
+
+
+def test_register_kv_inside_threads_on_the_engine(setup):
+  """Composition: registers inside PASTA threads. ``RegisterKV`` fed the builder's events of a
+  ``threads_tip`` sequence (a PASTA round whose chunks reuse registers) gives each thread's steps
+  their own owners (fresh pages); with its evictions, one token per engine step under the
+  layout's segments, the logits equal the training forward."""
+  from selforch_jax.lang import LayoutBuilder
+  from selforch_jax.runtime.tip import RegisterKV
+  model = setup[0]
+  rng = np.random.default_rng(7)
+  freed = thread_kills = 0
+  for _ in range(3):
+    ids, _ = random_annotated("threads_tip", rng, TV, TEXT)
+    ref, lay = reference_logits(setup, ids)
+    engine = Engine(model, num_pages=64, page_size=4)
+    counter = iter(range(1, 10 ** 6))
+    regs = RegisterKV(0, lambda: next(counter))
+    b = LayoutBuilder(TV0)
+    out = []
+    for i, t in enumerate(ids):
+      ev = b.feed(t)
+      r = regs.route(ev, b.document_offset)
+      evict, free = regs.resolve(r.kill) if r.kill else ([], [])
+      for o in free:
+        engine.pool.free_owner(o)
+      freed += len(free)
+      if evict:
+        engine.pool.evict(evict)
+      thread_kills += sum(lay.streams[j] >= 0 for j in r.kill)
+      lg, slots = engine.run_step([t], [lay.positions[i]], [lay.segment_ids[i]], r.owner,
+                                  lay.visible, lay.bidir, orders=[i])
+      regs.written([i], slots)
+      out.append(np.asarray(lg[0]))
+    # every register step (main thread or thread) got its own owner, so its own pages
+    assert len(regs.owners) >= 1 + sum(t in R for t in ids)
+    assert np.abs(np.stack(out) - ref).max() < 1e-5
+    engine.pool.check_invariants()
+  assert thread_kills > 0 and freed > 0
