@@ -131,3 +131,26 @@ def test_tip_rollouts_train_equals_decode(model, fwd):
     got = lp[i, len(p) - 1:n - 1]
     np.testing.assert_allclose(got, ro.sampler_logprobs[i], atol=2e-5)
   assert killed > 0, "no register reuse: the test would not exercise eviction"
+
+
+def test_pasta_rollouts_train_equals_decode(model, fwd):
+  """PASTA rollouts (threads forked from a teacher-forced plan, decoded in parallel): the rows'
+  build_layout log-probs equal the sampler's at every sampled (not runtime-fed) token."""
+  from selforch_jax.lang import Promise, Round, serialize
+  plan = [75, Promise((80, 81), 1), 76, Promise((82,), 2), 77]
+  prompt = serialize([60, 61, 62, Round(plan=tuple(plan), sync=False)], TV) + [TV.async_open]
+  ro = sample(model, [prompt], max_new_tokens=40, stop_id=2, group_size=2, scheduler="pasta",
+              sampling=SamplingParams(temperature=1.0, seed=4), num_pages=128, page_size=4,
+              tag_vocab=TV, scheduler_kwargs={"length_unit": 2, "cap": 4})
+  assert "pasta" in available()
+  b = to_batch(ro.prompts, ro.responses, 96, tag_vocab=TV, length_unit=2, cap=4)
+  lp = np.asarray(fwd(b))
+  compared = 0
+  for i, (p, r) in enumerate(zip(ro.prompts, ro.responses)):
+    assert p == prompt[:-1] and r.count(TV.async_open) >= 2   # both threads ran
+    got = lp[i, len(p) - 1:len(p) + len(ro.sampler_logprobs[i]) - 1]
+    want = np.asarray(ro.sampler_logprobs[i])
+    sampled = want != 0.0                 # runtime-fed tags carry log-prob 0
+    np.testing.assert_allclose(got[sampled], want[sampled], atol=2e-4)
+    compared += int(sampled.sum())
+  assert compared > 20

@@ -104,16 +104,18 @@ def theoretical_speedup(visible_tokens: np.ndarray, n_prompt: int) -> float:
 
 
 def speedups(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-             tag_vocab=None) -> np.ndarray:
+             tag_vocab=None, **layout_kw) -> np.ndarray:
   """:func:`theoretical_speedup` of each prompt + response (``lang.build_layout`` with the tag
-  vocab; 1.0 each without one): float ``[B]``."""
+  vocab, ``eos_ids=()`` and ``layout_kw`` such as the scheduler's ``cap`` / ``length_unit``;
+  1.0 each without a tag vocab): float ``[B]``."""
   if tag_vocab is None:
     return np.ones(len(prompts))
   from selforch_jax.lang import build_layout
   from selforch_jax.runtime.mask import sequence_mask
   out = []
   for p, r in zip(prompts, responses):
-    lay = build_layout(np.asarray(list(p) + list(r), np.int64), tag_vocab, eos_ids=())
+    lay = build_layout(np.asarray(list(p) + list(r), np.int64), tag_vocab, eos_ids=(),
+                       **layout_kw)
     out.append(theoretical_speedup(sequence_mask(lay.segment_ids, lay.visible, lay.bidir), len(p)))
   return np.asarray(out)
 

@@ -168,9 +168,11 @@ def _rollout(trainer, s, prompts, group, seed, stop_id, tv, pad_id):
               scheduler_kwargs=s.scheduler_kwargs.to_dict(), tag_vocab=tv)
   # one row length for every batch (one compiled update): the longest prompt + response
   seq_len = bucket_len(int(s.max_prompt_tokens) + int(s.max_new_tokens) - 1)
+  kw = s.scheduler_kwargs.to_dict()
+  layout_kw = {k: kw[k] for k in ("cap", "length_unit") if k in kw}  # the runtime's chunk rules
   batch = to_batch(ro.prompts, ro.responses, seq_len, pad_id=pad_id,
-                   tag_vocab=tv if s.layout_mask else None)
-  return ro, batch
+                   tag_vocab=tv if s.layout_mask else None, **layout_kw)
+  return ro, batch, layout_kw
 
 
 def grpo_step(trainer, s, prompts, refs, step_seed, tok, tv) -> dict:
@@ -179,7 +181,7 @@ def grpo_step(trainer, s, prompts, refs, step_seed, tok, tv) -> dict:
   from selforch_jax.trainers.rewards import get_reward
   t0 = time.perf_counter()
   G = int(s.group_size)
-  ro, batch = _rollout(trainer, s, prompts, G, step_seed, tok.stop_ids[0], tv, tok.pad_id)
+  ro, batch, _ = _rollout(trainer, s, prompts, G, step_seed, tok.stop_ids[0], tv, tok.pad_id)
   reward = get_reward(s.reward)
   texts = [response_text(tok, r, tv) for r in ro.responses]
   rows_ref = [refs[i // G] for i in range(len(texts))]
@@ -216,7 +218,8 @@ def bonbon_round(trainer, s, prompts, refs, step_seed, tok, tv) -> dict:
   from selforch_jax.trainers.run import TrainingError
   t0 = time.perf_counter()
   N = int(s.num_samples)
-  ro, rows = _rollout(trainer, s, prompts, N, step_seed, tok.stop_ids[0], tv, tok.pad_id)
+  ro, rows, layout_kw = _rollout(trainer, s, prompts, N, step_seed, tok.stop_ids[0], tv,
+                                 tok.pad_id)
   ref_tok = trainer.logprobs(rows, reference=True)
   ref_seq = np.asarray(sequence_logprobs(ref_tok, rows["loss_mask"]))
   ntok = np.maximum(rows["loss_mask"].sum(-1), 1)
@@ -226,7 +229,7 @@ def bonbon_round(trainer, s, prompts, refs, step_seed, tok, tv) -> dict:
     fn = get_reward(s.quality)
     quality = np.asarray([fn(response_text(tok, r, tv), refs[i // N], 0.0)
                           for i, r in enumerate(ro.responses)])
-  sp = speedups(ro.prompts, ro.responses, tv)
+  sp = speedups(ro.prompts, ro.responses, tv, **layout_kw)
   sc = score(s.score, speedup=sp, quality=quality, lengths=ro.response_lengths(),
              quality_weight=float(s.quality_weight))
   triples = select_pairs(sc.reshape(-1, N), float(s.min_score_gap))

@@ -7,9 +7,9 @@ prompt-major: row ``p * G + g``; the copies draw different samples because every
 sampling step gets its own draw). :func:`to_batch` turns prompts + responses into rows
 ``tokens, targets, loss_mask, positions`` int32 ``[B, T]`` and ``mask`` bool ``[B, T, T]``:
 
-* with a ``tag_vocab`` (PASTA / TIP rollouts), each row is
-  :func:`selforch_jax.data.annotated.annotated_example` of the sequence: positions and mask
-  come from ``lang.build_layout`` of the rollout's tokens, i.e. the layout the runtime decoded
+* with a ``tag_vocab`` (PASTA / TIP rollouts), positions and mask come from
+  ``lang.build_layout`` of the rollout's tokens (one document, as in
+  :func:`selforch_jax.data.annotated.annotated_example`), i.e. the layout the runtime decoded
   with (train = decode, DESIGN.md §2.2), and the target after ``</async>`` (written by the
   runtime, not sampled) is not trained;
 * without, plain causal attention over the sequence, positions ``0..n-1``.
@@ -37,7 +37,8 @@ class Rollouts:
   """Sampled responses of one rollout batch (B = prompts x group_size rows, prompt-major).
 
   Attributes:
-    prompts: B prompt token-id lists (prompt p repeated G times).
+    prompts: B prompt token-id lists (prompt p repeated G times; a trailing ``<async>`` that the
+      response repeats, as PASTA's does after a teacher-forced PLAN, is dropped).
     responses: B response token-id lists in canonical order; the stop token is appended when
       the response ended with it (``finish == "stop"``).
     sampler_logprobs: B lists of the sampler's log-probs (float, nats, temperature 1 logits) of
@@ -108,8 +109,13 @@ def sample(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
   run(engine, sched)
   dt = time.perf_counter() - t0
   responses, lps, finish = [], [], []
-  for res in sched.results:
+  for i, res in enumerate(sched.results):
     ids = list(res.token_ids)
+    if (tag_vocab is not None and rows[i] and rows[i][-1] == tag_vocab.async_open
+        and ids[:1] == [tag_vocab.async_open]):
+      # a prompt ending with a teacher-forced PLAN's <async>: PASTA's canonical response starts
+      # with that <async> again; the training sequence holds it once
+      rows[i] = rows[i][:-1]
     if res.finish_reason == "stop" and stop_id is not None:
       ids.append(int(stop_id))
     responses.append(ids)
@@ -118,43 +124,68 @@ def sample(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop
   return Rollouts(rows, responses, lps, finish, int(group_size), dt)
 
 
-def causal_row(prompt: Sequence[int], response: Sequence[int], seq_len: int,
-               pad_id: int = 0) -> dict[str, np.ndarray]:
-  """One training row with causal attention (see the module docstring).
+def sequence_row(prompt: Sequence[int], response: Sequence[int], seq_len: int, pad_id: int = 0,
+                 tag_vocab=None, **layout_kw) -> dict[str, np.ndarray]:
+  """One training row of prompt + response (see the module docstring).
+
+  Args:
+    prompt, response: token ids (the prompt non-empty).
+    seq_len: T; the sequence is cut to ``T + 1`` tokens before the next-token shift.
+    pad_id: id on padding.
+    tag_vocab: lay the row out with ``lang.build_layout(ids, tag_vocab, eos_ids=(),
+      **layout_kw)`` (the one-document layout of ``data.annotated``; pass the scheduler's
+      ``cap`` / ``length_unit`` if it was given others) and leave the target after
+      ``</async>`` untrained; None = causal, positions ``0..n-1``.
 
   Returns:
-    ``tokens, targets, loss_mask, positions`` int32 ``[T]``, ``mask`` bool ``[T, T]``;
-    the sequence is cut to ``T + 1`` tokens; padding rows see only themselves.
+    ``tokens, targets, loss_mask, positions`` int32 ``[T]``, ``mask`` bool ``[T, T]``; padding
+    rows see only themselves and are not trained.
 
   Raises:
     ValueError: ``seq_len < 1`` or an empty prompt.
   """
   if seq_len < 1 or not len(prompt):
-    raise ValueError(f"causal_row needs seq_len >= 1 and a prompt; got {seq_len}, {len(prompt)}")
+    raise ValueError(f"sequence_row needs seq_len >= 1 and a prompt; got {seq_len}, {len(prompt)}")
   ids = np.asarray(list(prompt) + list(response), np.int64)[:seq_len + 1]
   resp = (np.arange(ids.size) >= len(prompt)).astype(np.int32)
   T, m = int(seq_len), ids.size - 1
   row = {"tokens": np.full(T, pad_id, np.int32), "targets": np.full(T, pad_id, np.int32),
          "loss_mask": np.zeros(T, np.int32), "positions": np.zeros(T, np.int32),
          "mask": np.eye(T, dtype=bool)}
+  if m < 1:
+    return row
   row["tokens"][:m] = ids[:-1]
   row["targets"][:m] = ids[1:]
-  row["loss_mask"][:m] = resp[1:]
-  row["positions"][:m] = np.arange(m)
-  row["mask"][:m, :m] = np.tril(np.ones((m, m), bool))
+  if tag_vocab is None:
+    row["loss_mask"][:m] = resp[1:]
+    row["positions"][:m] = np.arange(m)
+    row["mask"][:m, :m] = np.tril(np.ones((m, m), bool))
+    return row
+  from selforch_jax.lang import build_layout
+  lay = build_layout(ids, tag_vocab, eos_ids=(), **layout_kw)
+  # as data.annotated: the runtime, not the model, writes the token after </async>
+  row["loss_mask"][:m] = resp[1:] * (ids[:-1] != tag_vocab.async_close)
+  row["positions"][:m] = lay.positions[:-1]
+  row["mask"][:m, :m] = lay.token_mask()[:-1, :-1]
   return row
 
 
+def causal_row(prompt: Sequence[int], response: Sequence[int], seq_len: int,
+               pad_id: int = 0) -> dict[str, np.ndarray]:
+  """:func:`sequence_row` with causal attention."""
+  return sequence_row(prompt, response, seq_len, pad_id)
+
+
 def to_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], seq_len: int,
-             *, pad_id: int = 0, tag_vocab=None) -> dict[str, np.ndarray]:
-  """Rows of prompts + responses (see the module docstring).
+             *, pad_id: int = 0, tag_vocab=None, **layout_kw) -> dict[str, np.ndarray]:
+  """Rows of prompts + responses (:func:`sequence_row` each).
 
   Args:
     prompts, responses: B token-id lists each.
     seq_len: T (longer sequences are cut; their tail is not trained).
     pad_id: id on padding.
     tag_vocab: a :class:`~selforch_jax.lang.tags.TagVocab` to lay rows out with
-      ``lang.build_layout``; None = causal.
+      ``lang.build_layout`` (with ``layout_kw``, e.g. ``cap``, ``length_unit``); None = causal.
 
   Returns:
     ``tokens, targets, loss_mask, positions`` int32 ``[B, T]``, ``mask`` bool ``[B, T, T]``.
@@ -164,17 +195,8 @@ def to_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]
   """
   if len(prompts) != len(responses):
     raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-  rows = []
-  for p, r in zip(prompts, responses):
-    if tag_vocab is None:
-      rows.append(causal_row(p, r, seq_len, pad_id))
-      continue
-    from selforch_jax.data.annotated import annotated_example
-    am = [0] * len(p) + [1] * len(r)
-    row = annotated_example(list(p) + list(r), am, tag_vocab, seq_len, pad_id=pad_id)
-    if row is None:  # nothing to train (empty response): an all-masked causal row
-      row = causal_row(p, r, seq_len, pad_id)
-    rows.append(row)
+  rows = [sequence_row(p, r, seq_len, pad_id, tag_vocab, **layout_kw)
+          for p, r in zip(prompts, responses)]
   keys = ("tokens", "targets", "loss_mask", "positions", "mask")
   return {k: np.stack([row[k] for row in rows]) for k in keys}
 
