@@ -56,7 +56,8 @@ def test_numbered_list_exact_canonical_form(tok_tv, rules):
   assert a.text == (f"Here are three tips:\n<promise>Sleep well every night {n[0]}</promise>"
                     f"<promise>Eat vegetables with every meal {n[1]}</promise>"
                     f"<promise>Exercise daily {n[2]}</promise>"
-                    f"<async>{c1}</async><async>{c2}</async><async>{c3}</async><sync/>\n\nGood luck!")
+                    f"<async>{c1}</async><async>{c2}</async><async>{c3}</async><sync/>"
+                    "\n\nGood luck!")
   assert a.info["chunks"] == 3 and a.info["lengths"] == n
   assert a.info["chunk_tokens"] == [len(tok.encode(c)) for c in (c1, c2, c3)]
   # the text tokenizes to exactly what the language's serializer writes for this structure
@@ -240,7 +241,8 @@ def test_llm_annotator_against_local_endpoint(tok_tv, rules, fake_endpoint):
   req = fake_endpoint["requests"][0]
   assert req["path"] == "/v1/chat/completions" and req["auth"] == "Bearer k123"
   msgs = req["body"]["messages"]
-  assert req["body"]["model"] == "annotator-x" and msgs[0] == {"role": "system", "content": LANGUAGE}
+  assert req["body"]["model"] == "annotator-x"
+  assert msgs[0] == {"role": "system", "content": LANGUAGE}
   assert len(msgs) == 1 + 2 * 3 + 1 and NUMBERED in msgs[-1]["content"]
   assert "Give me tips." in msgs[-1]["content"]
   r = llm.annotate("", NUMBERED)   # a word changed

@@ -98,7 +98,8 @@ def load_prompts(include: Sequence[str] = ("alpaca", "alpaca_seed", "mt_bench"),
       raise ValueError(f"unknown prompt source {name!r}; known: alpaca, alpaca_seed, mt_bench")
   if drop_eval:
     ev = eval_instructions()
-    out = [e for e in out if normalize(e["instruction"]) not in ev and normalize(e["prompt"]) not in ev]
+    out = [e for e in out
+           if normalize(e["instruction"]) not in ev and normalize(e["prompt"]) not in ev]
   return out
 
 

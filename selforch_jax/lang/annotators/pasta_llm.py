@@ -20,11 +20,11 @@ Backends (one small interface, :class:`ChatBackend` ``.complete(messages) -> str
 
 Validation (never raises; a rejected rewrite is ``Annotation(None, info={"rejected": reason})``):
 the output (one surrounding code fence removed) is tokenized with the tag-aware tokenizer; it must
-parse with no :class:`~selforch_jax.lang.events.Degraded` event, and its logical text (:func:`~selforch_jax.lang.assemble.assemble_text`: tags, topics and lengths
-stripped, chunks at their promises) must have exactly the response's words in order. Rejection
-reasons: ``"backend: ..."``, ``"parse: ..."``, ``"words: ..."``, ``"validate: ..."``. A valid
-reply with no round (the response given back unchanged) is ``Annotation(None, {"reason": "no
-round"})``.
+parse with no :class:`~selforch_jax.lang.events.Degraded` event, and its logical text
+(:func:`~selforch_jax.lang.assemble.assemble_text`: tags, topics and lengths stripped, chunks at
+their promises) must have exactly the response's words in order. Rejection reasons:
+``"backend: ..."``, ``"parse: ..."``, ``"words: ..."``, ``"validate: ..."``. A valid reply with
+no round (the response given back unchanged) is ``Annotation(None, {"reason": "no round"})``.
 """
 
 from __future__ import annotations
@@ -271,8 +271,8 @@ class PastaLLMAnnotator(Annotator):
     if not words_equal(plain, response):
       a, b = plain.split(), response.split()
       k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-      return Annotation(None, {"rejected": f"words: changed at word {k} "
-                                           f"({' '.join(a[k:k + 3])!r} vs {' '.join(b[k:k + 3])!r})",
+      got, want = " ".join(a[k:k + 3]), " ".join(b[k:k + 3])
+      return Annotation(None, {"rejected": f"words: changed at word {k} ({got!r} vs {want!r})",
                                "output": out})
     if m["chunks"] == 0:  # the model kept the response as it was: nothing independent
       return Annotation(None, {"reason": "no round"})

@@ -11,8 +11,8 @@ Structure found (line based; ``\n`` line ends, ``\r`` kept as text):
   kind; lines indented deeper (sub-lists, wrapped text) and blank lines between items belong to
   the item above; the list ends at the first non-blank line that is not indented deeper and is not
   an item of the same kind, except in a numbered list whose next number (k+1) follows within 40
-  lines with no header or other numbered item at that indent before it (an unindented paragraph inside
-  item k).
+  lines with no header or other numbered item at that indent before it (an unindented paragraph
+  inside item k).
 
 Independence (an item refers to its siblings -> it cannot be written by a thread that does not
 see them). An item other than the first is *dependent* when
