@@ -33,8 +33,8 @@ def grpo_defaults() -> ml_collections.ConfigDict:
     plain causal mask.
   num_pages, page_size: the rollout engine's KV pool.
   max_prompt_tokens: prompts longer than this are skipped.
-  init_from: an SFT workdir whose checkpoint initialises the policy (and pi_ref); None =
-    the ``model`` section's weights.
+  init_from: an SFT workdir whose checkpoint initialises the policy (and pi_ref; the run's
+    saved model config is used, LoRA adapters kept); None = the ``model`` section's weights.
   dataset: prompt dataset name (``data.sources``: gsm8k, ...); split: its split.
   max_examples: read only the first N rows of the dataset file (None = all).
   shuffle_seed, seed: prompt order, rollout sampling seed.
