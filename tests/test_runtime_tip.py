@@ -270,7 +270,7 @@ def test_register_kv_inside_threads_on_the_engine(setup):
   model = setup[0]
   rng = np.random.default_rng(7)
   freed = thread_kills = 0
-  for _ in range(3):
+  for _ in range(2):
     ids, _ = random_annotated("threads_tip", rng, TV, TEXT)
     ref, lay = reference_logits(setup, ids)
     engine = Engine(model, num_pages=64, page_size=4)

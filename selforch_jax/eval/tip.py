@@ -139,15 +139,16 @@ def pages_per_request(prompt_len: int, max_new: int, page_size: int, num_registe
   return -(-(prompt_len + max_new) // page_size) + num_registers + 6
 
 
-def _warm_up(engine, prompt_lens, batch: int) -> None:
-  """Compile every program the runs will use (both attention-mass settings, the prefill buckets
-  of these prompts and decode buckets 1..batch), so the timed runs exclude compiles."""
+def _warm_up(engine, prompt_lens, batch: int, attn_mass: bool = True) -> None:
+  """Compile every program the runs will use (without and, with ``attn_mass``, with the
+  attention mass H2O reads; the prefill buckets of these prompts and decode buckets 1..batch),
+  so the timed runs exclude compiles."""
   from selforch_jax.runtime.engine import bucket_size
   S = engine.num_slots
   sizes = sorted({bucket_size(n) for n in prompt_lens} | {bucket_size(b) for b in
                                                         range(1, batch + 1)})
   was = engine.record_attn_mass
-  for mode in (False, True):
+  for mode in (False, True) if attn_mass else (False,):
     engine.record_attn_mass = mode
     for T in sizes:
       T = min(T, S)
@@ -305,7 +306,8 @@ def evaluate_dataset(dataset: str, models: dict, ec, workdir: str) -> dict:
       per = pages_per_request(max(map(len, prompts)), longest, ec.page_size, K)
       engines[key] = Engine(model, num_pages=B * per, page_size=ec.page_size)
       t0 = time.perf_counter()
-      _warm_up(engines[key], [len(p) for p in prompts], B)
+      _warm_up(engines[key], [len(p) for p in prompts], B,
+               attn_mass=any(x in systems for x in ("h2o", "paged_h2o")))
       print(f"  compiled {dataset} programs in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     engine = engines[key]
     if system == "teacher_forced":
