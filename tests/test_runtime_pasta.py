@@ -90,6 +90,14 @@ def test_threads_equal_sequential_decode_of_each_thread(tiny):
     assert full[q].argmax() == lay.token_ids[j], (j, q)
   after_sync = np.flatnonzero(lay.token_ids == TV.sync)
   assert after_sync.size == 1 and any(j > after_sync[0] for j in src)
+  # max_rounds=1 ends the job at the join: the same threads, the response ends with <sync/>
+  one = pasta.generate(engine, [prompt], TV, max_new_tokens=60, length_unit=2, cap=4,
+                       stop_ids=[2], max_rounds=1)
+  res = one.results[0]
+  assert res.finish_reason == "rounds" and res.token_ids[-1] == TV.sync
+  k = res.token_ids.index(TV.sync)
+  assert res.token_ids == sched.results[0].token_ids[:k + 1]
+  assert one.stats[0].forwards == 1 + max(lay.segment_ids.tolist().count(s) for s in thread_segs)
 
 
 def test_sampled_logprobs_equal_training_forward_and_ar_equivalence(tiny):

@@ -33,8 +33,8 @@ Figures per system, each with n and a bootstrap 95% CI (:mod:`selforch_jax.eval.
 
 ``config.forced.n > 0`` adds the forced-plan measurement: a PLAN of ``forced.promises``
 promises of length ``forced.length`` is teacher-forced after each of the first ``forced.n``
-prompts (prompt + PLAN + ``<async>``), the threads run to their cap, and AR decodes the same
-number of tokens from the same prompt: tokens per forward and wall-clock ratio of the engine's
+prompts (prompt + PLAN + ``<async>``), the threads run to their ``</async>`` or cap, the job ends
+at the join (``max_rounds=1``), and AR decodes the same number of tokens from the same prompt: tokens per forward and wall-clock ratio of the engine's
 parallel threads on these weights.
 
 Outputs: ``DIR/pasta_eval.json`` (every figure + config), ``DIR/pasta_eval_records.jsonl``
@@ -268,6 +268,10 @@ def summarize(recs: list[dict], ar_recs: list[dict], ec, judge_scores=None) -> d
   return out
 
 
+def _thread_lengths(layout) -> list[int]:
+  return [int((layout.segment_ids == g).sum()) for g in np.flatnonzero(layout.segment_streams >= 0)]
+
+
 def forced_plan(engine, tok, tv, prompts, fc, ec) -> dict:
   """The forced-plan measurement (module docstring): PASTA threads vs AR, same token count."""
   from selforch_jax.lang import Promise, Round, serialize
@@ -280,7 +284,7 @@ def forced_plan(engine, tok, tv, prompts, fc, ec) -> dict:
     forced = p + serialize([Round(plan=tuple(plan), sync=False)], tv) + [tv.async_open]
     t0 = time.perf_counter()
     s = pasta.generate(engine, [forced], tv, max_new_tokens=fc.promises * (20 * fc.length + 2) + 1,
-                       stop_ids=(), cap=fc.cap)
+                       stop_ids=(), cap=fc.cap, max_rounds=1)
     wp = time.perf_counter() - t0
     st = s.stats[0]
     n_tok = st.tokens
@@ -288,7 +292,8 @@ def forced_plan(engine, tok, tv, prompts, fc, ec) -> dict:
     t0 = time.perf_counter()
     ar.generate(engine, [forced[:-1]], max_new_tokens=n_tok)
     wa = time.perf_counter() - t0
-    recs.append(dict(tokens=n_tok, pasta_forwards=st.forwards, ar_forwards=engine.num_steps - steps0,
+    recs.append(dict(tokens=n_tok, pasta_forwards=st.forwards, degraded=list(st.degraded),
+                     thread_lengths=_thread_lengths(s.layout(0)), ar_forwards=engine.num_steps - steps0,
                      pasta_wall_s=wp, ar_wall_s=wa, threads=st.threads,
                      tokens_per_forward=st.tokens_per_forward, wall_speedup=wa / wp))
   return {"records": recs,

@@ -215,6 +215,8 @@ class PASTAScheduler(Scheduler):
       the training data's ``build_layout`` does), so prompts may hold end-of-turn tokens.
     cap: floor of a thread's budget ``max(2·length_unit·N, cap)`` (None: unlimited).
     length_unit: tokens per promise unit N (10 in DESIGN.md §3).
+    max_rounds: finish a request right after its ``max_rounds``-th join (None: no limit;
+      finish_reason ``"rounds"``), e.g. to time one round of threads.
     owner_base / segment_base: first owner / segment id this job uses (it allocates more as
       threads fork); segments below ``segment_base`` stay invisible.
 
@@ -231,7 +233,7 @@ class PASTAScheduler(Scheduler):
   def __init__(self, prompts: Sequence[Sequence[int]], tag_vocab: TagVocab, max_new_tokens: int,
                sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                cap: int | None = DEFAULT_CAP, length_unit: int = TOKENS_PER_UNIT,
-               owner_base: int = 0, segment_base: int = 0):
+               max_rounds: int | None = None, owner_base: int = 0, segment_base: int = 0):
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("PASTAScheduler needs at least one prompt, none empty")
     if max_new_tokens < 1:
@@ -241,6 +243,7 @@ class PASTAScheduler(Scheduler):
     # runtime never feeds a stop token (the main thread ends, a thread gets </async>)
     self.tv = dataclasses.replace(tag_vocab, eos_ids=())
     self.max_new = int(max_new_tokens)
+    self.max_rounds = max_rounds
     self.sampling = sampling
     self.key = jax.random.PRNGKey(sampling.seed)
     self.reqs = [_Request(list(map(int, p)), self.tv, cap, length_unit) for p in prompts]
@@ -419,6 +422,10 @@ class PASTAScheduler(Scheduler):
       r.t1 = now
       if not r.done and r.response_len() + len(r.pending) >= self.max_new:
         self._finish(r, "length")
+      elif not r.done and self.max_rounds is not None and r.rounds >= self.max_rounds:
+        r.pending = {}   # the main token sampled after the join is not part of the job
+        r.sampled -= 1
+        self._finish(r, "rounds")
     if self._prefilled == len(self.reqs) and all(r.done for r in self.reqs):
       self._finalize()
 
