@@ -146,6 +146,13 @@ def test_attention_mass_is_a_probability_sum(model):
   assert float(np.asarray(engine2.last_attn_mass).sum()) == pytest.approx(L * H, rel=1e-6)
 
 
+def test_h2o_needs_the_reference_attention_path(model):
+  engine = Engine(model, num_pages=4, page_size=4, attention="paged", interpret=True)
+  with pytest.raises(ValueError, match="attention='reference'"):
+    PolicyScheduler(engine, [[1, 2]], [make_policy("h2o", 8)], max_new_tokens=2)
+  assert not engine.record_attn_mass
+
+
 def test_budget_validation():
   with pytest.raises(ValueError, match="budget"):
     make_policy("h2o")

@@ -304,10 +304,14 @@ def evaluate_dataset(dataset: str, models: dict, ec, workdir: str) -> dict:
       if solutions is not None and model is models["tip"][0]:
         longest = max(longest, max(len(tok.encode(x)) + 1 for x in solutions))
       per = pages_per_request(max(map(len, prompts)), longest, ec.page_size, K)
-      engines[key] = Engine(model, num_pages=B * per, page_size=ec.page_size)
+      h2o = any(x in systems for x in ("h2o", "paged_h2o"))
+      # H2O reads attention mass from the dense-mask path; otherwise the engine's default
+      # ("auto": the Pallas paged kernel on a GPU, whose compiles are then not warmed up)
+      engines[key] = Engine(model, num_pages=B * per, page_size=ec.page_size,
+                            attention="reference" if h2o else "auto")
       t0 = time.perf_counter()
-      _warm_up(engines[key], [len(p) for p in prompts], B,
-               attn_mass=any(x in systems for x in ("h2o", "paged_h2o")))
+      if engines[key].attention == "reference":
+        _warm_up(engines[key], [len(p) for p in prompts], B, attn_mass=h2o)
       print(f"  compiled {dataset} programs in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     engine = engines[key]
     if system == "teacher_forced":

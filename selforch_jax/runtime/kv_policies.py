@@ -283,7 +283,9 @@ class PolicyScheduler(ARScheduler):
   after each decode step) and :attr:`owners` (every page-table owner used; free them after).
 
   Raises:
-    ValueError: a policy count other than B, or as :class:`ARScheduler`.
+    ValueError: a policy count other than B; an H2O policy on an engine whose attention is
+      not ``"reference"`` (the paged kernel does not return attention mass); or as
+      :class:`ARScheduler`.
   """
 
   def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]],
@@ -310,6 +312,9 @@ class PolicyScheduler(ARScheduler):
     self.attn_score = np.zeros(engine.num_slots, np.float32)
     self._attn_was = engine.record_attn_mass
     if any(p.needs_attention for p in self.policies):
+      if getattr(engine, "attention", "reference") != "reference":
+        raise ValueError("H2O policies read the attention mass of the dense-mask path: build the "
+                         "Engine with attention='reference'")
       engine.record_attn_mass = True
     for i, p in enumerate(self.policies):
       p.bind(self, i)
