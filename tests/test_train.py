@@ -57,6 +57,8 @@ def test_every_config_builds_and_validates(path):
   if "train" in c:
     validate(c)
     assert c.train.steps >= 1
+  elif c.get("kind") in ("pasta", "tip"):   # eval configs of a system (selforch_jax.eval.<kind>)
+    importlib.import_module(f"selforch_jax.eval.{c.kind}").validate(c)
   else:
     from selforch_jax.decoding.run import validate as validate_decode
     from selforch_jax.eval.run import validate as validate_eval
