@@ -2,7 +2,7 @@ r"""PASTA vs AR, Skeleton-of-Thought and APAR on AlpacaEval prompts (issue 5).
 
 Run:
   python -m selforch_jax.eval --config=configs/eval_pasta.py --workdir=out/eval_pasta \
-      --config.pasta=out/pasta_sft --config.baseline=out/pasta_baseline_sft
+      --config.pasta=out/pasta_sft --config.baseline=out/pasta_baseline
   python -m selforch_jax.eval --config=configs/eval_pasta.py --config.n=10 \
       --config.max_new_tokens=128 --workdir=out/eval_pasta_small   # base SmolLM2 + tag rows
   ... --config.pareto=lam1=out/po_l1,lam4=out/po_l4     # PASTA runs per λ / round (Pareto plot)

@@ -2,7 +2,7 @@ r"""TIP vs dense, StreamingLLM, H2O and paged H2O at matched live-KV budgets (is
 
 Run:
   python -m selforch_jax.eval --config=configs/eval_tip.py --config.tip=out/tip_sft \
-      --config.dense=out/dense_sft --workdir=out/eval_tip
+      --config.dense=out/tip_dense_sft --workdir=out/eval_tip
   python -m selforch_jax.eval --config=configs/eval_tip.py:n=10,max_new_tokens=128,datasets=gsm8k \
       --workdir=out/eval_tip_small        # base SmolLM2 with tag rows, before any training
   python -m selforch_jax.eval --config=configs/eval_tip.py:datasets=math500+aime --workdir=out/eval_tip_math
