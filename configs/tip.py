@@ -43,18 +43,8 @@ DATA = ("gsm8k", "synthetic_chain")
 BASE_VOCAB = 49152  # SmolLM2 tokenizer size: tag rows start here
 
 
-def _split_stage(arg):
-  items = [s for s in (arg or "").split(",") if s]
-  stage = "sft"
-  if items and "=" not in items[0]:
-    stage = items.pop(0)
-  if stage not in STAGES:
-    raise config_lib.ConfigError(f"configs/tip.py: unknown stage {stage!r}; stages: {STAGES}")
-  return stage, ",".join(items)
-
-
 def get_config(arg=None):
-  stage, rest = _split_stage(arg)
+  stage, rest = config_lib.split_stage(arg, STAGES, "configs/tip.py")
   a = config_lib.parse_arg(rest, data="gsm8k", model="smollm2_135m", scale="cpu", num_registers=8,
                            steps=-1, seq_len=-1, batch_size=-1, lora_rank=-1, init_from="")
   if a.data not in DATA:

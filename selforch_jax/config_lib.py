@@ -21,6 +21,23 @@ class ConfigError(ValueError):
   """A config key is unknown, has the wrong type, or an impossible value."""
 
 
+def split_stage(arg: str | None, stages: tuple[str, ...], where: str) -> tuple[str, str]:
+  """Split a config argument ``"STAGE[,k=v,...]"`` into ``(stage, "k=v,...")``.
+
+  The stage is optional (default ``stages[0]``); the rest goes to :func:`parse_arg`.
+
+  Raises:
+    ConfigError: an unknown stage, naming ``where`` (the config file) and the known stages.
+  """
+  items = [s for s in (arg or "").split(",") if s]
+  stage = stages[0]
+  if items and "=" not in items[0]:
+    stage = items.pop(0)
+  if stage not in stages:
+    raise ConfigError(f"{where}: unknown stage {stage!r}; stages: {stages}")
+  return stage, ",".join(items)
+
+
 def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
   """Parse a big_vision-style ``key=value,key2=value2`` config argument.
 

@@ -38,7 +38,7 @@ def fwd(model):
 
 def test_registry_has_ar_and_rejects_unknown(model):
   assert "ar" in available()
-  with pytest.raises(KeyError, match="registered"):
+  with pytest.raises(KeyError, match="unknown scheduler .nope.; known"):
     make_scheduler("nope", Engine(model, 8, 4), PROMPTS)
 
 

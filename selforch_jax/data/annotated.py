@@ -150,9 +150,8 @@ def _build_annotator(name: str, args: Mapping[str, Any] | None, tokenizer: ChatT
   from selforch_jax.lang import annotators  # registers every annotator
 
   kwargs = dict(args or {})
-  factory_params = inspect.signature(annotators.base._REGISTRY[name]).parameters \
-      if name in annotators.annotator_names() else {}
-  if "tokenizer" in factory_params and "tokenizer" not in kwargs:
+  factory = annotators.base.annotator_factory(name)  # ValueError naming the known ones
+  if "tokenizer" in inspect.signature(factory).parameters and "tokenizer" not in kwargs:
     kwargs["tokenizer"] = tokenizer
   return annotators.get_annotator(name, **kwargs)
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from selforch_jax.registry import Registry
 from selforch_jax.runtime.engine import Engine
 from selforch_jax.runtime.scheduler import Scheduler
 
 SchedulerFactory = Callable[..., Scheduler]
-_REGISTRY: dict[str, SchedulerFactory] = {}
+_REGISTRY: Registry[SchedulerFactory] = Registry("scheduler")
 
 
 def register(name: str) -> Callable[[SchedulerFactory], SchedulerFactory]:
@@ -33,17 +34,12 @@ def register(name: str) -> Callable[[SchedulerFactory], SchedulerFactory]:
   Raises:
     ValueError: ``name`` is already registered.
   """
-  def deco(factory: SchedulerFactory) -> SchedulerFactory:
-    if name in _REGISTRY:
-      raise ValueError(f"scheduler {name!r} is already registered")
-    _REGISTRY[name] = factory
-    return factory
-  return deco
+  return _REGISTRY.register(name)
 
 
 def available() -> list[str]:
   """The registered scheduler names, sorted."""
-  return sorted(_REGISTRY)
+  return _REGISTRY.names()
 
 
 def fresh_bases(engine: Engine) -> tuple[int, int]:
@@ -68,9 +64,7 @@ def make_scheduler(name: str, engine: Engine, prompts: Sequence[Sequence[int]],
   Raises:
     KeyError: unknown ``name`` (the message lists the registered ones).
   """
-  if name not in _REGISTRY:
-    raise KeyError(f"unknown scheduler {name!r}; registered: {available()}")
-  return _REGISTRY[name](engine, prompts, **kw)
+  return _REGISTRY.get(name)(engine, prompts, **kw)
 
 
 @register("ar")

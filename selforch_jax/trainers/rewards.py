@@ -17,9 +17,10 @@ from __future__ import annotations
 from typing import Callable
 
 from selforch_jax.eval.answers import extract_answer, is_correct
+from selforch_jax.registry import Registry
 
 RewardFn = Callable[[str, str, float], float]
-_REWARDS: dict[str, RewardFn] = {}
+_REWARDS: Registry[RewardFn] = Registry("reward")
 
 
 def register_reward(name: str):
@@ -28,17 +29,12 @@ def register_reward(name: str):
   Raises:
     ValueError: ``name`` is taken.
   """
-  def deco(fn: RewardFn) -> RewardFn:
-    if name in _REWARDS:
-      raise ValueError(f"reward {name!r} is already registered")
-    _REWARDS[name] = fn
-    return fn
-  return deco
+  return _REWARDS.register(name)
 
 
 def reward_names() -> list[str]:
   """Registered reward names, sorted."""
-  return sorted(_REWARDS)
+  return _REWARDS.names()
 
 
 def get_reward(name: str) -> RewardFn:
@@ -47,9 +43,7 @@ def get_reward(name: str) -> RewardFn:
   Raises:
     KeyError: unknown name (the message lists the known ones).
   """
-  if name not in _REWARDS:
-    raise KeyError(f"unknown reward {name!r}; known: {reward_names()}")
-  return _REWARDS[name]
+  return _REWARDS.get(name)
 
 
 @register_reward("gsm8k")

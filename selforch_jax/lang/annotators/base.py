@@ -16,7 +16,10 @@ import abc
 import dataclasses
 from typing import Any, Callable
 
-__all__ = ["Annotation", "Annotator", "register", "get_annotator", "annotator_names"]
+from selforch_jax.registry import Registry
+
+__all__ = ["Annotation", "Annotator", "register", "get_annotator", "annotator_factory",
+           "annotator_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +49,7 @@ class Annotator(abc.ABC):
     """
 
 
-_REGISTRY: dict[str, Callable[..., Annotator]] = {}
+_REGISTRY: Registry[Callable[..., Annotator]] = Registry("annotator", ValueError)
 
 
 def register(name: str) -> Callable[[Callable[..., Annotator]], Callable[..., Annotator]]:
@@ -55,19 +58,21 @@ def register(name: str) -> Callable[[Callable[..., Annotator]], Callable[..., An
   Raises:
     ValueError: ``name`` is already registered.
   """
-
-  def deco(factory: Callable[..., Annotator]) -> Callable[..., Annotator]:
-    if name in _REGISTRY:
-      raise ValueError(f"annotator {name!r} is already registered")
-    _REGISTRY[name] = factory
-    return factory
-
-  return deco
+  return _REGISTRY.register(name)
 
 
 def annotator_names() -> list[str]:
   """The registered annotator names, sorted."""
-  return sorted(_REGISTRY)
+  return _REGISTRY.names()
+
+
+def annotator_factory(name: str) -> Callable[..., Annotator]:
+  """The factory (class) registered as ``name``.
+
+  Raises:
+    ValueError: unknown ``name`` (the message lists the known ones).
+  """
+  return _REGISTRY.get(name)
 
 
 def get_annotator(name: str, **kwargs: Any) -> Annotator:
@@ -76,6 +81,4 @@ def get_annotator(name: str, **kwargs: Any) -> Annotator:
   Raises:
     ValueError: unknown ``name`` (the message lists the known ones).
   """
-  if name not in _REGISTRY:
-    raise ValueError(f"unknown annotator {name!r}; known: {annotator_names()}")
-  return _REGISTRY[name](**kwargs)
+  return _REGISTRY.get(name)(**kwargs)
