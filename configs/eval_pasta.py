@@ -18,7 +18,10 @@ from selforch_jax.eval.pasta import defaults
 
 
 def get_config(arg=None):
-  del arg
+  if arg:
+    from selforch_jax.config_lib import ConfigError
+    raise ConfigError(f"configs/eval_pasta.py takes no ':' argument (got {arg!r}); set values "
+                      "with --config.KEY=VALUE, e.g. --config.n=10")
   c = defaults()
   c.model.preset = "smollm2_135m"
   c.model.weights = "smollm2_gguf"

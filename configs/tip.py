@@ -32,7 +32,6 @@ correctness + 0.1 x format (``gsm8k`` reward: an explicit ``#### N`` / ``\boxed{
 group-relative advantages, clipped ratio, KL to the SFT model.
 """
 
-import os
 
 from selforch_jax import config_lib
 from selforch_jax.trainers.grpo_config import grpo_defaults
@@ -115,12 +114,6 @@ def get_config(arg=None):
   g.temperature = 1.0
   init = a.init_from or ("out/tip_dense_sft" if dense else "out/tip_sft")
   if grpo and init.lower() != "none":
-    if "://" not in init and not os.path.isdir(init):
-      sft = "dense_sft" if dense else "sft"
-      raise config_lib.ConfigError(
-        f"configs/tip.py:{stage}: init_from={init!r} is not a directory; run the SFT stage first "
-        f"(python -m selforch_jax.train --config=configs/tip.py:{sft} --workdir={init}) or pass "
-        f"init_from=none to start from the model weights")
-    g.init_from = init
+    g.init_from = init  # checked by trainers.po_run.validate_po, after command-line overrides
   c.grpo = g
   return c

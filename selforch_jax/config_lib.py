@@ -42,7 +42,7 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
   """Parse a big_vision-style ``key=value,key2=value2`` config argument.
 
   Values are converted to the type of the default. Raises :class:`ConfigError` for a
-  key that has no default.
+  key that has no default or a value that does not convert (booleans: true/false/1/0/yes/no).
   """
   out = ml_collections.ConfigDict(dict(defaults))
   if not arg:
@@ -55,9 +55,14 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
       raise ConfigError(f"unknown config argument {k!r}; known: {sorted(defaults)}")
     d = defaults[k]
     if isinstance(d, bool):
+      if v.lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise ConfigError(f"config argument {k}={v!r} must be true or false")
       out[k] = v.lower() in ("1", "true", "yes")
     elif isinstance(d, (int, float)):
-      out[k] = type(d)(v)
+      try:
+        out[k] = type(d)(v)
+      except ValueError:
+        raise ConfigError(f"config argument {k}={v!r} must be {type(d).__name__}") from None
     else:
       out[k] = v
   return out

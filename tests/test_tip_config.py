@@ -59,10 +59,18 @@ def test_stages_differ_where_they_should():
 
 
 def test_grpo_init_from_the_sft_workdir(tmp_path):
+  from selforch_jax.trainers.run import validate
+
   tip = _tip()
-  assert tip.get_config(f"grpo,init_from={tmp_path}").grpo.init_from == str(tmp_path)
+  (tmp_path / "checkpoints").mkdir()
+  c = tip.get_config(f"grpo,init_from={tmp_path}")
+  assert c.grpo.init_from == str(tmp_path)
+  validate(c)
+  # checked after command-line overrides (validate), not when the config file is read
+  c = tip.get_config(f"grpo,init_from={tmp_path}")
+  c.grpo.init_from = str(tmp_path / "missing")
   with pytest.raises(config_lib.ConfigError, match="run the SFT stage first"):
-    tip.get_config(f"grpo,init_from={tmp_path / 'missing'}")
+    validate(c)
 
 
 @pytest.mark.parametrize("arg,msg", [("bogus", "unknown stage 'bogus'"),

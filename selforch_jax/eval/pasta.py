@@ -317,6 +317,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   base_model, base_tok, base_tv = _load(config, config.baseline)
   same = not config.pasta and not config.baseline
   p_model, p_tok, p_tv = (base_model, base_tok, base_tv) if same else _load(config, config.pasta)
+  arch = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+  a = {k: getattr(base_model.cfg, k) for k in arch}
+  b = {k: getattr(p_model.cfg, k) for k in arch}
+  if a != b:  # a wall-clock speedup between different networks measures the networks
+    raise config_lib.ConfigError(
+        f"the PASTA model ({config.pasta or 'base'}: {b}) and the AR reference "
+        f"({config.baseline or 'base'}: {a}) differ in architecture; pass --config.baseline with "
+        "a run of the same model")
   questions = [prompt_and_reference(r)[0][-1]["content"] for r in rows]
   prompts = [base_tok.encode_chat(prompt_and_reference(r)[0], add_generation_prompt=True)
              for r in rows]

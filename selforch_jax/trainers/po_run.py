@@ -25,6 +25,7 @@ Examples (GRPO of SmolLM2-135M-Instruct with LoRA on GSM8K, CPU-sized; BoNBoN fo
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -88,6 +89,13 @@ def validate_po(config: ml_collections.ConfigDict) -> None:
                                  "run trained with tags)")
   if config.optim.grad_accum != 1:
     raise config_lib.ConfigError("policy optimization needs optim.grad_accum=1")
+  init = s.init_from
+  if init and "://" not in init and not os.path.isdir(os.path.join(init, "checkpoints")):
+    raise config_lib.ConfigError(
+        f"{name}.init_from={init!r} is not a training workdir (no {init}/checkpoints): run the SFT "
+        "stage first (e.g. python -m selforch_jax.train --config=configs/tip.py:sft "
+        "--workdir=out/tip_sft, or configs/pasta.py:sft --workdir=out/pasta_sft), or set "
+        f"{name}.init_from='' to start from the model weights")
 
 
 def load_policy(config):
