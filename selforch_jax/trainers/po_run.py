@@ -308,7 +308,8 @@ def train_po(config: ml_collections.ConfigDict, workdir: str, stop_at: int | Non
   import jax
   from tqdm import tqdm
 
-  from selforch_jax.trainers.run import MetricsWriter, TrainingError, check_resume_config, validate
+  from selforch_jax.trainers.run import (
+      MetricsWriter, TrainingError, catch_stop_signals, check_resume_config, validate)
 
   validate(config)
   if config.trainer not in ("grpo", "bonbon"):
@@ -320,14 +321,8 @@ def train_po(config: ml_collections.ConfigDict, workdir: str, stop_at: int | Non
   if ckpt.latest_step() is not None:
     ckpt.restore(trainer, it)
     print(f"resumed from checkpoint at loop step {trainer.step // per}", file=sys.stderr)
-  stop = {"signal": None}
-
-  def on_term(signum, frame):
-    if stop["signal"] is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt
-    stop["signal"] = signum
-  old = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
   is_main = jax.process_index() == 0
+  stop, old = catch_stop_signals(is_main)
   writer = MetricsWriter(workdir, enabled=is_main, start_step=trainer.step // per)
   step_fn = grpo_step if config.trainer == "grpo" else bonbon_round
   steps, last = config.train.steps, {}

@@ -108,6 +108,26 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         f"data x fsdp = {d * f} and by the {nproc} processes")
 
 
+def catch_stop_signals(verbose: bool) -> tuple[dict, dict]:
+  """Make SIGTERM / SIGINT (Ctrl-C) request a checkpoint and a clean stop after the current step.
+
+  Returns ``(stop, old_handlers)``: ``stop["signal"]`` becomes the signal number when one arrives
+  (the loop checks it); restore with ``signal.signal(sig, h) for sig, h in old_handlers.items()``.
+  A second Ctrl-C raises KeyboardInterrupt at once. ``verbose`` prints what Ctrl-C does.
+  """
+  stop = {"signal": None}
+
+  def on_term(signum, frame):
+    if stop["signal"] is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C stops at once
+    stop["signal"] = signum
+    if verbose and signum == signal.SIGINT:
+      print("\ninterrupted: saving a checkpoint after this step (Ctrl-C again to abort)",
+            file=sys.stderr)
+
+  return stop, {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
 class MetricsWriter:
   """Metrics to ``metrics.jsonl`` and TensorBoard (tensorboardX) on process 0."""
 
@@ -247,16 +267,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
     logging.info("resumed from step %d in %s", start, ckpt.directory)
     if is_main:
       print(f"resumed from checkpoint at step {start}", file=sys.stderr)
-  stop = {"signal": None}
-
-  def on_term(signum, frame):
-    if stop["signal"] is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt  # a second Ctrl-C stops at once
-    stop["signal"] = signum
-    if is_main and signum == signal.SIGINT:
-      print("\ninterrupted: saving a checkpoint after this step (Ctrl-C again to abort)",
-            file=sys.stderr)
-  old = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
+  stop, old = catch_stop_signals(is_main)
   writer = MetricsWriter(workdir, enabled=is_main, start_step=start)
   pid, nproc = jax.process_index(), jax.process_count()
   last = {}
