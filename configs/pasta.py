@@ -64,6 +64,7 @@ def get_config(arg=None):
   else:
     c.model.remat = True        # CPU: 2.8 GB instead of 7 GB (a 7 GB run was OOM-killed here)
   c.train.train_embed_rows_from = BASE_VOCAB if lora else -1  # LoRA: train the new tag rows too
+  c.train.new_rows_lr_mult = 25.0 if lora else 1.0  # tag rows start at the mean: let them move
 
   c.data.annotated = True
   c.data.packing = False

@@ -72,6 +72,7 @@ def get_config(arg=None):
   if accel:
     c.model.dtype = "bfloat16"
   c.train.train_embed_rows_from = BASE_VOCAB if lora else -1  # LoRA: train the new tag rows too
+  c.train.new_rows_lr_mult = 25.0 if lora else 1.0  # tag rows start at the mean: let them move
 
   # data: annotated rows (mask from the builder), one example per row
   c.data.name = a.data

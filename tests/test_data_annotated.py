@@ -160,3 +160,41 @@ def test_train_on_annotated_rows(tmp_path):
   assert len(losses) == 4 and all(np.isfinite(losses))
   assert losses[-1] < losses[0]  # the same 8 examples over and over: the loss must fall
   assert out is not None
+
+
+def test_new_rows_lr_mult_scales_only_the_new_rows_update():
+  """Adam's first update is ~lr * sign(g) per coordinate: with new_rows_lr_mult=10 the new rows
+  move 10x as far as with 1, the old rows not at all."""
+  import ml_collections
+  from flax import nnx
+
+  from selforch_jax import sharding as shd
+  from selforch_jax.models.config import get_preset
+  from selforch_jax.models.transformer import add_lora, init_model
+  from selforch_jax.trainers.optim import optim_defaults
+  from selforch_jax.trainers.sft import SFTTrainer
+
+  oc = optim_defaults()
+  oc.lr, oc.warmup_steps, oc.schedule, oc.weight_decay, oc.clip_norm = 1e-3, 0, "constant", 0.0, 0.0
+  rng = np.random.default_rng(0)
+  T = 16
+  batch = {"tokens": rng.integers(0, 300, (2, T)).astype(np.int32),
+           "targets": rng.integers(250, 300, (2, T)).astype(np.int32),   # favour the "new" rows
+           "loss_mask": np.ones((2, T), np.int32), "positions": np.tile(np.arange(T), (2, 1)),
+           "segment_ids": np.ones((2, T), np.int32)}
+  moved = {}
+  for mult in (1.0, 10.0):
+    model = add_lora(init_model(get_preset("tiny_llama", vocab_size=300), seed=0), 2, 4.0,
+                     "q_proj,v_proj", seed=0)
+    before = np.asarray(model.embed[...]).copy()
+    tr = SFTTrainer(model, shd.make_mesh(), oc, 1, lora=True, train_embed_rows_from=250,
+                    new_rows_lr_mult=mult)
+    tr.train_step(batch)
+    after = np.asarray(tr.model().embed[...])
+    np.testing.assert_array_equal(after[:250], before[:250])
+    moved[mult] = np.abs(after[250:] - before[250:]).mean()
+  assert moved[1.0] > 0
+  np.testing.assert_allclose(moved[10.0] / moved[1.0], 10.0, rtol=1e-3)
+  with pytest.raises(ValueError, match="new_rows_lr_mult"):
+    SFTTrainer(init_model(get_preset("tiny_llama"), seed=0), shd.make_mesh(), oc, 1,
+               new_rows_lr_mult=0.0)

@@ -275,7 +275,8 @@ def build_po(config, workdir: str):
   model, tok, tv = load_policy(config)
   lora = bool(model.cfg.lora_rank)
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-  common = dict(lora=lora, train_embed_rows_from=config.train.train_embed_rows_from)
+  common = dict(lora=lora, train_embed_rows_from=config.train.train_embed_rows_from,
+                new_rows_lr_mult=config.train.new_rows_lr_mult)
   if config.trainer == "grpo":
     per = int(s.inner_steps)
     trainer = GRPOTrainer(model, mesh, config.optim, config.train.steps * per, clip_eps=s.clip_eps,

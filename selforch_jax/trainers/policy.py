@@ -47,11 +47,13 @@ class PolicyTrainer(SFTTrainer, abc.ABC):
   batch_ranks: Mapping[str, int] = {}
 
   def __init__(self, model, mesh, optim, total_steps: int, *, lora: bool = False,
-               train_embed_rows_from: int = -1, rules=shd.DEFAULT_RULES):
+               train_embed_rows_from: int = -1, rules=shd.DEFAULT_RULES,
+               new_rows_lr_mult: float = 1.0):
     if int(optim.grad_accum) != 1:
       raise ValueError(f"policy trainers need optim.grad_accum=1, got {optim.grad_accum}")
     super().__init__(model, mesh, optim, total_steps, lora=lora,
-                     train_embed_rows_from=train_embed_rows_from, rules=rules)
+                     train_embed_rows_from=train_embed_rows_from, rules=rules,
+                     new_rows_lr_mult=new_rows_lr_mult)
     repl = NamedSharding(mesh, P())
     self.batch_keys = tuple(self.batch_ranks)
     self._batch_sh = {k: shd.batch_sharding(mesh, r) for k, r in self.batch_ranks.items()}

@@ -40,7 +40,7 @@ def defaults() -> ml_collections.ConfigDict:
       strip_tags=False, async_sees_full_plan=False))
   train = ml_collections.ConfigDict(dict(
       steps=100, log_every=1, eval_every=0, eval_batches=4, checkpoint_every=50, keep=3,
-      async_checkpoint=True, train_embed_rows_from=-1, seed=0))
+      async_checkpoint=True, train_embed_rows_from=-1, new_rows_lr_mult=1.0, seed=0))
   mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   from selforch_jax.trainers.bonbon_config import bonbon_defaults
   from selforch_jax.trainers.grpo_config import grpo_defaults
@@ -80,6 +80,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     if config.data.annotator not in annotators.annotator_names():
       raise config_lib.ConfigError(f"data.annotator={config.data.annotator!r} is unknown; known: "
                                    f"{annotators.annotator_names()}")
+  if config.train.new_rows_lr_mult <= 0:
+    raise config_lib.ConfigError(f"train.new_rows_lr_mult={config.train.new_rows_lr_mult} must be > 0")
   if config.train.steps < 1:
     raise config_lib.ConfigError(f"train.steps={config.train.steps} must be >= 1")
   if config.optim.grad_accum < 1 or config.data.batch_size % config.optim.grad_accum:
@@ -180,7 +182,8 @@ def build(config, workdir: str):
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   trainer = SFTTrainer(model, mesh, config.optim, config.train.steps, lora=lora,
                        train_embed_rows_from=config.train.train_embed_rows_from,
-                       masked=bool(config.data.annotated))
+                       masked=bool(config.data.annotated),
+                       new_rows_lr_mult=config.train.new_rows_lr_mult)
   train_ds = make_dataset(config.data, tok, "train", config.data.shuffle_seed)
   eval_ds = None
   if config.train.eval_every > 0:

@@ -54,6 +54,9 @@ class SFTTrainer:
     lora: train only ``nnx.LoRAParam`` adapters (the model must have ``lora_rank > 0``).
     train_embed_rows_from: if >= 0, also train rows ``>= this`` of the embedding (and of
       an untied LM head) — the rows of newly added tokens; other rows stay frozen.
+    new_rows_lr_mult: the learning rate of those new rows relative to ``optim.lr`` (their Adam
+      updates are multiplied by it). Mean-initialised tag rows trained at a LoRA learning rate
+      barely move (PASTA SFT on SmolLM2: p(<promise>) 0.0015 after 119 steps at 1x).
     rules: logical-axis rules.
     masked: batches carry ``mask`` bool ``[B, T, T]`` (annotated data,
       :mod:`selforch_jax.data.annotated`) instead of ``segment_ids`` int32 ``[B, T]``.
@@ -65,13 +68,16 @@ class SFTTrainer:
 
   def __init__(self, model: Transformer, mesh: Mesh, optim, total_steps: int, *,
                lora: bool = False, train_embed_rows_from: int = -1, rules=shd.DEFAULT_RULES,
-               masked: bool = False):
+               masked: bool = False, new_rows_lr_mult: float = 1.0):
     if lora and not model.cfg.lora_rank:
       raise ValueError("lora=True but model.lora_rank == 0: set model.lora_rank > 0")
     self.cfg = model.cfg
     self.mesh = mesh
     self.grad_accum = int(optim.grad_accum)
     self.embed_from = int(train_embed_rows_from)
+    if new_rows_lr_mult <= 0:
+      raise ValueError(f"new_rows_lr_mult must be > 0, got {new_rows_lr_mult}")
+    self.new_rows_lr_mult = float(new_rows_lr_mult)
     filt = trainable_filter(lora, self.embed_from >= 0)
     self.graphdef, params, frozen = nnx.split(model, filt, ...)
     self.tx, self.schedule = make_optimizer(optim, total_steps)
@@ -141,9 +147,11 @@ class SFTTrainer:
     def mask(path, u):
       names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
       if "embed" in names and u.ndim == 2:  # [V, D]
-        return u * (jnp.arange(u.shape[0]) >= self.embed_from)[:, None].astype(u.dtype)
+        scale = (jnp.arange(u.shape[0]) >= self.embed_from) * self.new_rows_lr_mult
+        return u * scale[:, None].astype(u.dtype)
       if "lm_head" in names and u.ndim == 2:  # [D, V]
-        return u * (jnp.arange(u.shape[1]) >= self.embed_from)[None, :].astype(u.dtype)
+        scale = (jnp.arange(u.shape[1]) >= self.embed_from) * self.new_rows_lr_mult
+        return u * scale[None, :].astype(u.dtype)
       return u
     return jax.tree_util.tree_map_with_path(mask, updates)
 
