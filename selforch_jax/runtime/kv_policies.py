@@ -44,6 +44,7 @@ includes dead and unfilled slots of partly used pages).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Sequence
 
@@ -124,7 +125,7 @@ class DensePolicy(KVPolicy):
   """No eviction (the dense baseline)."""
 
 
-class _BudgetPolicy(KVPolicy):
+class _BudgetPolicy(KVPolicy, abc.ABC):
   """Evicts before each decode step so that live + new tokens <= ``budget``."""
 
   def __init__(self, budget: int):
@@ -141,9 +142,9 @@ class _BudgetPolicy(KVPolicy):
       return [], []
     return [int(s) for s in self.choose(alive, excess)], []
 
+  @abc.abstractmethod
   def choose(self, alive: np.ndarray, excess: int) -> np.ndarray:
     """Slots to evict (at least ``excess`` of ``alive``, oldest first order given)."""
-    raise NotImplementedError
 
 
 class StreamingLLMPolicy(_BudgetPolicy):
