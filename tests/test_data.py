@@ -410,3 +410,28 @@ def test_data_dir_env_override(tmp_path, monkeypatch):
   assert sources.load_examples("chat", "x.jsonl")[0]["messages"][0]["content"] == "a"
   with pytest.raises(FileNotFoundError):
     sources.load_examples("gsm8k")
+
+
+def test_annotated_repeats_oversamples_train_only(tmp_path):
+  rows = [{"messages": [{"role": "user", "content": f"q{i}"},
+                        {"role": "assistant", "content": f"a{i}"}], "annotated": i % 3 == 0}
+          for i in range(30)]
+  path = tmp_path / "recs.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  base = dict(name="chat", path=str(path), eval_fraction=0.2)
+  train1 = pipeline.split_examples(pipeline.DataConfig(**base), "train")
+  train3 = pipeline.split_examples(pipeline.DataConfig(**base, annotated_repeats=3), "train")
+  n_ann = sum(bool(e["annotated"]) for e in train1)
+  assert 0 < n_ann < len(train1)
+  assert len(train3) == len(train1) + 2 * n_ann
+  assert sum(bool(e["annotated"]) for e in train3) == 3 * n_ann
+  # every annotated example appears exactly three times, every plain one once
+  counts = {}
+  for e in train3:
+    counts[e["messages"][0]["content"]] = counts.get(e["messages"][0]["content"], 0) + 1
+  assert all(counts[e["messages"][0]["content"]] == (3 if e["annotated"] else 1) for e in train1)
+  # the held-out split is never repeated and is the same slice
+  assert (pipeline.split_examples(pipeline.DataConfig(**base, annotated_repeats=3), "eval")
+          == pipeline.split_examples(pipeline.DataConfig(**base), "eval"))
+  with pytest.raises(ValueError, match="annotated_repeats"):
+    pipeline.DataConfig(**base, annotated_repeats=0)

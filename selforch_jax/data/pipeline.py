@@ -42,6 +42,10 @@ shuffle               True        shuffle examples (per epoch) with the seed
 shuffle_seed          0           default seed when ``make_dataset(seed=None)``
 num_epochs            1           passes over the split; None = repeat forever
 max_examples          None        keep only the first N examples of the split
+annotated_repeats     1           train split only: an example whose record has
+                                  ``"annotated": true`` appears this many times per
+                                  epoch (oversamples the annotated minority; the eval
+                                  split is never repeated)
 drop_remainder        True        drop the last incomplete batch
 num_threads           4           grain read threads (tokenization runs there)
 prefetch_buffer_size  64          grain read prefetch, in examples
@@ -116,6 +120,7 @@ class DataConfig:
   shuffle_seed: int = 0
   num_epochs: int | None = 1
   max_examples: int | None = None
+  annotated_repeats: int = 1
   drop_remainder: bool = True
   num_threads: int = 4
   prefetch_buffer_size: int = 64
@@ -140,6 +145,8 @@ class DataConfig:
       raise ValueError(f"num_epochs must be >= 1 or None, got {self.num_epochs}")
     if not 0.0 <= self.eval_fraction < 1.0:
       raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+    if not isinstance(self.annotated_repeats, int) or self.annotated_repeats < 1:
+      raise ValueError(f"annotated_repeats must be an int >= 1, got {self.annotated_repeats!r}")
 
   @classmethod
   def from_any(cls, cfg_like: Any) -> "DataConfig":
@@ -175,7 +182,9 @@ def split_examples(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     else ``cfg.eval_path`` or the dataset's ``test`` file;
   * any other name (e.g. ``"test"``): the dataset's default file for that split.
 
-  ``cfg.max_examples`` then keeps the first N examples.
+  ``cfg.max_examples`` then keeps the first N examples; in the ``"train"`` split an example
+  whose record has ``"annotated": true`` is then repeated ``cfg.annotated_repeats`` times in
+  place (the shuffle spreads the copies).
 
   Raises:
     KeyError / ValueError / FileNotFoundError: from :mod:`selforch_jax.data.sources`.
@@ -192,6 +201,8 @@ def split_examples(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     exs = sources.load_examples(cfg.name, None, split=split)
   if cfg.max_examples is not None:
     exs = exs[:cfg.max_examples]
+  if split == "train" and cfg.annotated_repeats > 1:
+    exs = [e for e in exs for _ in range(cfg.annotated_repeats if e.get("annotated") else 1)]
   return exs
 
 

@@ -35,7 +35,8 @@ def defaults() -> ml_collections.ConfigDict:
       name="gsm8k", path=placeholder(str), split="train", eval_fraction=0.0, eval_split_seed=0,
       eval_path=placeholder(str), seq_len=256, batch_size=8, packing=True,
       num_packing_bins=placeholder(int), shuffle=True, shuffle_seed=0, num_epochs=placeholder(int),
-      max_examples=placeholder(int), drop_remainder=True, num_threads=2, prefetch_buffer_size=16,
+      max_examples=placeholder(int), annotated_repeats=1, drop_remainder=True, num_threads=2,
+      prefetch_buffer_size=16,
       annotated=False, annotator=placeholder(str), annotator_args=ml_collections.ConfigDict(),
       strip_tags=False, async_sees_full_plan=False))
   train = ml_collections.ConfigDict(dict(
