@@ -1,12 +1,15 @@
-r"""Export a training run to a Hugging Face directory (safetensors + tokenizer).
+r"""Export a training run to a Hugging Face directory (safetensors + tokenizer), or its adapter.
 
   python -m selforch_jax.export --workdir=out/sft --out=out/sft_hf [--step=N] [--dtype=float32]
+  python -m selforch_jax.export --workdir=out/pasta_sft --out=out/pasta_adapter --adapter
 
 Restores the run's checkpoint (latest, or ``--step``) with the config saved in it, folds
 LoRA adapters into the base weights, and writes ``config.json``, ``model.safetensors``,
 ``generation_config.json`` and the tokenizer files, so that
 ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads it and gives the same
-logits (tested).
+logits (tested). With ``--adapter`` (LoRA runs only) it writes just the LoRA tensors and new
+token rows with the base model spec (:mod:`selforch_jax.adapter`; a few MB), which
+``eval.run.load_finetuned(out)`` loads.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "training run directory (holds c
 _OUT = flags.DEFINE_string("out", None, "output directory for the HF checkpoint")
 _STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "tensor dtype: float32, bfloat16 or float16")
+_ADAPTER = flags.DEFINE_bool("adapter", False, "write only the LoRA adapter + new token rows "
+                             "(selforch_jax.adapter) instead of the full merged model")
 
 
 def main(argv):
@@ -31,7 +36,13 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   try:
-    out = export_run(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value)
+    if _ADAPTER.value:
+      if flags.FLAGS["dtype"].present:
+        raise ValueError("--dtype does not apply to --adapter (adapter tensors are float32)")
+      from selforch_jax.adapter import export_adapter
+      out = export_adapter(_WORKDIR.value, _OUT.value, _STEP.value)
+    else:
+      out = export_run(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value)
   except (FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -14,6 +14,9 @@ In one run, batch 1, greedy, on the first ``n`` AlpacaEval instructions
 * every run in ``config.pareto`` (``label=workdir,...``: PASTA runs per λ / round) decoded with
   PASTA, for the Pareto plot.
 
+Each of these paths may be a training workdir, an adapter directory (:mod:`selforch_jax.adapter`)
+or a Hugging Face directory.
+
 Figures per system, each with n and a bootstrap 95% CI (:mod:`selforch_jax.eval.stats`):
 
 * ``wall_speedup``: geometric mean over prompts of ``AR wall-clock / system wall-clock`` (the
@@ -77,6 +80,7 @@ def defaults() -> ml_collections.ConfigDict:
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ``config_lib.ConfigError`` naming the bad key, before any work."""
+  from selforch_jax.eval.run import MODEL_DIRS, is_model_dir
   config_lib.validate(config, defaults())
   config_lib.validate_model(config.model)
   systems = [s for s in config.systems.split(",") if s]
@@ -95,10 +99,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise config_lib.ConfigError("judge.backend='openai' needs judge.url")
   for key, path in [("pasta", config.pasta), ("baseline", config.baseline),
                     *[(f"pareto[{lab}]", p) for lab, p in _pareto_runs(config.pareto)]]:
-    if path and not (os.path.isdir(os.path.join(path, "checkpoints"))
-                     or os.path.exists(os.path.join(path, "config.json"))):
-      raise config_lib.ConfigError(f"{key}={path!r} is neither a training workdir (with "
-                                   "checkpoints/) nor a Hugging Face directory (config.json)")
+    if path and not is_model_dir(path):
+      raise config_lib.ConfigError(f"{key}={path!r} is {MODEL_DIRS}")
 
 
 def _pareto_runs(spec: str) -> list[tuple[str, str]]:
@@ -112,7 +114,8 @@ def _pareto_runs(spec: str) -> list[tuple[str, str]]:
 
 
 def _load(config, path: str):
-  """``(model, tokenizer, TagVocab)``: a training workdir / HF dir, or the base model with tags."""
+  """``(model, tokenizer, TagVocab)``: a training workdir / adapter / HF dir, or the base model
+  with tags."""
   from selforch_jax.eval.run import load_finetuned
   from selforch_jax.lang import TagVocab, add_tags
   if path:

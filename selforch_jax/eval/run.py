@@ -23,7 +23,8 @@ def defaults() -> ml_collections.ConfigDict:
   """Keys of an eval config.
 
   model: the base model (``config_lib.model_defaults``); finetuned: a training workdir
-  (its latest checkpoint, LoRA merged) or an HF directory, ``""`` = base only;
+  (its latest checkpoint, LoRA merged), an adapter directory or an HF directory, ``""`` = base
+  only;
   eval.dataset / n / offset: the fixed subset ``rows[offset:offset+n]`` in file order.
   """
   return ml_collections.ConfigDict(dict(
@@ -43,15 +44,26 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.eval.n < 1 or config.eval.batch_size < 1 or config.eval.max_new_tokens < 1:
     raise config_lib.ConfigError("eval.n, eval.batch_size and eval.max_new_tokens must be >= 1")
   ft = config.finetuned
-  if ft and not (os.path.isdir(os.path.join(ft, "checkpoints"))
-                 or os.path.exists(os.path.join(ft, "config.json"))):
-    raise config_lib.ConfigError(
-        f"finetuned={ft!r} is neither a training workdir (with checkpoints/) nor a Hugging Face "
-        "directory (with config.json)")
+  if ft and not is_model_dir(ft):
+    raise config_lib.ConfigError(f"finetuned={ft!r} is {MODEL_DIRS}")
+
+
+MODEL_DIRS = ("neither a training workdir (with checkpoints/), an adapter directory (with "
+              "adapter_config.json) nor a Hugging Face directory (with config.json)")
+
+
+def is_model_dir(path: str) -> bool:
+  """Whether ``path`` is a directory :func:`load_finetuned` loads (``MODEL_DIRS``: the error)."""
+  return any(os.path.exists(os.path.join(path, f))
+             for f in ("checkpoints", "adapter_config.json", "config.json"))
 
 
 def load_finetuned(path: str):
-  """``(model, tokenizer)`` from a training workdir (checkpoint) or an HF directory."""
+  """``(model, tokenizer)`` from a training workdir (latest checkpoint, LoRA merged), an adapter
+  directory (:func:`selforch_jax.adapter.load_adapter`) or an HF directory."""
+  from selforch_jax.adapter import is_adapter_dir, load_adapter
+  if is_adapter_dir(path):
+    return load_adapter(path)
   if os.path.isdir(os.path.join(path, "checkpoints")):
     from selforch_jax.trainers.restore import restore_run
     from selforch_jax.models.transformer import merged_model

@@ -1,0 +1,181 @@
+"""Adapter files of a LoRA training run: the trained LoRA tensors and new token rows only.
+
+An adapter directory (a few MB instead of the run's full Orbax checkpoints) holds:
+
+* ``adapter.safetensors`` (float32): every LoRA parameter as the model stores it, stacked over
+  the L layers, named ``layers.<proj>_lora_a`` ``[L, *in_dims, r]`` and ``layers.<proj>_lora_b``
+  ``[L, r, *out_dims]`` (e.g. ``layers.q_proj_lora_a [L, D, r]``, ``layers.q_proj_lora_b
+  [L, r, H, Dh]``); when the run trained new embedding rows (``train.train_embed_rows_from =
+  R >= 0``) also ``embed_rows [V - R, D]`` (rows ``R..V-1`` of ``embed``) and, for an untied
+  head, ``head_rows [V - R, D]`` (columns ``R..V-1`` of ``lm_head [D, V]``, transposed).
+* ``adapter_config.json``: ``model`` (the run's ``model`` config section: preset, weights,
+  tokenizer, tags, dtypes, lora_rank / alpha / targets — what rebuilds the base exactly),
+  ``rows_from`` (R, -1 = none), ``vocab_size`` (V), ``added_tokens`` (``[token, id]`` for ids
+  ``R..V-1`` and the orchestration tags, in id order), ``tensors`` (name -> shape),
+  ``source`` (the workdir as given and the checkpoint step), ``training`` (the run's data /
+  optim / train sections) and ``metrics`` (the last train and eval records of ``metrics.jsonl``
+  up to the step), for a model card.
+
+``python -m selforch_jax.export --workdir=W --out=DIR --adapter`` writes one;
+:func:`load_adapter` (and ``eval.run.load_finetuned(DIR)``) rebuilds the LoRA-merged model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+CONFIG_FILE = "adapter_config.json"
+TENSORS_FILE = "adapter.safetensors"
+
+
+def _lora_tensors(model) -> dict[str, np.ndarray]:
+  """``{"layers.<name>": float32 array}`` of every LoRA parameter of ``model``."""
+  from flax import nnx
+  from flax.traverse_util import flatten_dict
+  flat = flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)), sep=".")
+  return {k: np.asarray(v, np.float32) for k, v in flat.items()}
+
+
+def _row_tensors(model, rows_from: int) -> dict[str, np.ndarray]:
+  """``embed_rows`` (and ``head_rows`` for an untied head) ``[V - rows_from, D]`` float32."""
+  if rows_from < 0:
+    return {}
+  out = {"embed_rows": np.asarray(model.embed[...][rows_from:], np.float32)}
+  if not model.cfg.tie_word_embeddings:
+    out["head_rows"] = np.asarray(model.lm_head[...][:, rows_from:], np.float32).T
+  return out
+
+
+def _added_tokens(tok, mc, rows_from: int, vocab_size: int) -> list[list]:
+  """``[token, id]`` for ids ``rows_from..V-1`` (within the tokenizer) and the tags."""
+  ids = set(range(rows_from, min(vocab_size, tok.vocab_size))) if rows_from >= 0 else set()
+  if mc.get("tags", False):
+    from selforch_jax.lang.tags import tag_strings
+    ids |= {tok.token_to_id(s) for s in tag_strings(int(mc.num_registers))} - {None}
+  return [[tok.id_to_token(i), int(i)] for i in sorted(ids)]
+
+
+def _last_metrics(workdir: str, step: int) -> dict:
+  """The last train (``loss``) and eval (``eval_loss``) records of ``metrics.jsonl`` <= step."""
+  path, out = os.path.join(workdir, "metrics.jsonl"), {}
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        r = json.loads(line)
+        if r.get("step", 0) <= step:
+          for key, name in (("loss", "train"), ("eval_loss", "eval")):
+            if key in r:
+              out[name] = r
+  return out
+
+
+def export_adapter(workdir: str, out_dir: str, step: int | None = None) -> str:
+  """Write the adapter of a LoRA run (see the module docstring) to ``out_dir``.
+
+  Args:
+    workdir: the training run (``workdir/checkpoints``), restored with ``restore_run``.
+    out_dir: created if needed; ``adapter.safetensors`` and ``adapter_config.json`` are
+      overwritten.
+    step: checkpoint step (default: the latest).
+
+  Returns:
+    ``out_dir``.
+
+  Raises:
+    FileNotFoundError: ``workdir`` has no checkpoint.
+    ValueError: the run has no LoRA adapters (``model.lora_rank == 0``).
+  """
+  from safetensors.numpy import save_file
+
+  from selforch_jax.trainers.restore import restore_run
+
+  config, model, tok, step = restore_run(workdir, step)
+  mc = config.model
+  if not mc.lora_rank:
+    raise ValueError(f"{workdir} is not a LoRA run (model.lora_rank=0): its trained weights are "
+                     "the whole model; export it without --adapter")
+  rows_from = int(config.train.train_embed_rows_from)
+  tensors = _lora_tensors(model) | _row_tensors(model, rows_from)
+  vocab = int(model.cfg.vocab_size)
+  meta = {"format": "selforch_jax.adapter/1", "model": mc.to_dict(), "rows_from": rows_from,
+          "vocab_size": vocab,
+          "added_tokens": _added_tokens(tok, mc, rows_from, vocab) if tok is not None else [],
+          "tensors": {k: list(v.shape) for k, v in sorted(tensors.items())},
+          "source": {"workdir": workdir, "step": int(step)},
+          "training": {k: config[k].to_dict() for k in ("data", "optim", "train") if k in config},
+          "metrics": _last_metrics(workdir, int(step))}
+  os.makedirs(out_dir, exist_ok=True)
+  # contiguous copies: safetensors writes a transposed view's buffer in its memory order
+  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+            os.path.join(out_dir, TENSORS_FILE), metadata={"format": "np"})
+  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+    json.dump(meta, f, indent=2)
+  return out_dir
+
+
+def is_adapter_dir(path: str) -> bool:
+  """Whether ``path`` is an adapter directory (has ``adapter_config.json``)."""
+  return os.path.exists(os.path.join(path, CONFIG_FILE))
+
+
+def load_adapter(adapter_dir: str):
+  """Rebuild the run's model from an adapter directory.
+
+  The base comes from ``config_lib.load_model`` with the recorded ``model`` section (tags
+  added as in training), LoRA adapters are added and set, and the new rows are written.
+
+  Returns:
+    ``(model, tokenizer)``: the LoRA-merged :class:`Transformer` (``merged_model``; params in
+    the recorded ``param_dtype``), equal to ``eval.run.load_finetuned(workdir)`` of the run.
+
+  Raises:
+    FileNotFoundError: ``adapter_config.json`` or ``adapter.safetensors`` is missing.
+    ValueError: a recorded added token has another id in the rebuilt tokenizer (naming the
+      first), or a tensor is missing, unexpected or of the wrong shape (naming it).
+  """
+  import ml_collections
+  from flax import nnx
+  from flax.traverse_util import unflatten_dict
+  from safetensors.numpy import load_file
+
+  from selforch_jax import config_lib
+  from selforch_jax.models.transformer import add_lora, merged_model
+
+  for name in (CONFIG_FILE, TENSORS_FILE):
+    if not os.path.exists(os.path.join(adapter_dir, name)):
+      raise FileNotFoundError(f"{os.path.join(adapter_dir, name)} is missing")
+  with open(os.path.join(adapter_dir, CONFIG_FILE)) as f:
+    meta = json.load(f)
+  tensors = load_file(os.path.join(adapter_dir, TENSORS_FILE))
+  mc = ml_collections.ConfigDict(meta["model"])
+  _, base, tok = config_lib.load_model(mc)
+  for token, i in meta["added_tokens"]:
+    got = tok.token_to_id(token) if tok is not None else None
+    if got != i:
+      raise ValueError(f"token {token!r} has id {got} in the rebuilt tokenizer, {i} in the "
+                       "adapter: the base model spec does not match the run")
+  model = add_lora(base, mc.lora_rank, mc.lora_alpha, mc.lora_targets)
+  expected = {k: v.shape for k, v in
+              (_lora_tensors(model) | _row_tensors(model, int(meta["rows_from"]))).items()}
+  for k in sorted(set(expected) | set(tensors)):
+    if k not in tensors:
+      raise ValueError(f"adapter tensor {k!r} {tuple(expected[k])} is missing")
+    if k not in expected:
+      raise ValueError(f"unexpected adapter tensor {k!r}: the rebuilt model has no such parameter")
+    if tensors[k].shape != expected[k]:
+      raise ValueError(f"adapter tensor {k!r} has shape {tuple(tensors[k].shape)}, the model "
+                       f"needs {tuple(expected[k])}")
+  pd = model.cfg.jnp_param_dtype
+  state = nnx.state(model, nnx.LoRAParam)
+  nnx.replace_by_pure_dict(state, unflatten_dict(
+      {k: v.astype(pd) for k, v in tensors.items() if k.startswith("layers.")}, sep="."))
+  nnx.update(model, state)
+  r = int(meta["rows_from"])
+  if "embed_rows" in tensors:
+    model.embed[...] = model.embed[...].at[r:].set(tensors["embed_rows"].astype(pd))
+  if "head_rows" in tensors:
+    model.lm_head[...] = model.lm_head[...].at[:, r:].set(tensors["head_rows"].T.astype(pd))
+  return merged_model(model), tok

@@ -1,0 +1,167 @@
+"""Adapter files (selforch_jax/adapter.py): export of a LoRA run, reload equal to the run."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from selforch_jax import config_lib
+from selforch_jax.adapter import export_adapter, load_adapter
+from selforch_jax.eval.run import load_finetuned
+from selforch_jax.models.transformer import causal_mask, positions_from_valid
+from selforch_jax.trainers.run import train
+from tests.test_train import ROOT, tiny_config
+
+TEXT = "Natalia sold clips<promise> to 48 of her<sync/> friends in April."
+
+
+def _logits(model, ids):
+  toks = jnp.asarray([ids])
+  valid = jnp.ones_like(toks, bool)
+  return np.asarray(model(toks, positions_from_valid(valid), causal_mask(valid))[0])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """A 2-step LoRA run of the tiny SmolLM2 with the tags' rows (49152..49166) trained."""
+  c = tiny_config(steps=2, train__train_embed_rows_from=49152, train__checkpoint_every=2)
+  c.model.lora_rank, c.model.lora_alpha, c.model.tags = 4, 8.0, True
+  c.optim.lr = 1e-2  # big steps, so the tuned logits clearly differ from the base's
+  wd = str(tmp_path_factory.mktemp("adapter") / "lora")
+  train(c, wd)
+  return c, wd
+
+
+@pytest.fixture(scope="module")
+def adapter(run, tmp_path_factory):
+  return export_adapter(run[1], str(tmp_path_factory.mktemp("adapter") / "out"))
+
+
+def test_adapter_equals_the_run_and_is_small(run, adapter):
+  c, wd = run
+  meta = json.load(open(os.path.join(adapter, "adapter_config.json")))
+  assert meta["rows_from"] == 49152 and meta["vocab_size"] == 49167
+  assert meta["model"]["tags"] and meta["model"]["lora_rank"] == 4
+  assert meta["added_tokens"][0] == ["<promise>", 49152] and len(meta["added_tokens"]) == 15
+  assert meta["source"]["step"] == 2 and meta["training"]["train"]["steps"] == 2
+  assert meta["tensors"]["embed_rows"] == [15, 64]
+  assert meta["tensors"]["layers.q_proj_lora_a"] == [2, 64, 4]
+  assert meta["metrics"]["train"]["step"] == 2
+
+  model, tok = load_adapter(adapter)
+  ref_model, ref_tok = load_finetuned(wd)
+  ids = tok.encode(TEXT)
+  assert ids == ref_tok.encode(TEXT) and 49152 in ids and 49156 in ids
+  got, ref = _logits(model, ids), _logits(ref_model, ids)
+  np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
+  base = _logits(config_lib.load_model(c.model)[1], ids)  # same seed: the untrained model
+  assert np.abs(got - base).max() > 1e-2
+  a2, _ = load_finetuned(adapter)  # the eval loaders take adapter dirs
+  np.testing.assert_array_equal(_logits(a2, ids), got)
+
+  ckpt = sum(os.path.getsize(os.path.join(d, f))
+             for d, _, fs in os.walk(os.path.join(wd, "checkpoints")) for f in fs)
+  size = os.path.getsize(os.path.join(adapter, "adapter.safetensors"))
+  assert size < ckpt / 20, (size, ckpt)
+
+
+def test_errors(run, adapter, tmp_path):
+  from safetensors.numpy import load_file, save_file
+  c = tiny_config(steps=1)  # lora_rank=0
+  wd = str(tmp_path / "full")
+  train(c, wd)
+  with pytest.raises(ValueError, match="not a LoRA run"):
+    export_adapter(wd, str(tmp_path / "x"))
+
+  bad = shutil.copytree(adapter, str(tmp_path / "shape"))
+  t = load_file(os.path.join(bad, "adapter.safetensors"))
+  t["layers.v_proj_lora_b"] = t["layers.v_proj_lora_b"][:, :2]
+  save_file(t, os.path.join(bad, "adapter.safetensors"))
+  with pytest.raises(ValueError, match="'layers.v_proj_lora_b' has shape"):
+    load_adapter(bad)
+
+  extra = shutil.copytree(adapter, str(tmp_path / "extra"))
+  t = load_file(os.path.join(extra, "adapter.safetensors"))
+  t["head_rows"] = np.zeros((15, 64), np.float32)  # the tiny model's head is tied
+  save_file(t, os.path.join(extra, "adapter.safetensors"))
+  with pytest.raises(ValueError, match="unexpected adapter tensor 'head_rows'"):
+    load_adapter(extra)
+  del t["head_rows"], t["layers.up_proj_lora_a"]
+  save_file(t, os.path.join(extra, "adapter.safetensors"))
+  with pytest.raises(ValueError, match="'layers.up_proj_lora_a' .* is missing"):
+    load_adapter(extra)
+
+  missing = shutil.copytree(adapter, str(tmp_path / "missing"))
+  os.remove(os.path.join(missing, "adapter.safetensors"))
+  with pytest.raises(FileNotFoundError, match="adapter.safetensors"):
+    load_adapter(missing)
+
+  ids = shutil.copytree(adapter, str(tmp_path / "ids"))
+  p = os.path.join(ids, "adapter_config.json")
+  meta = json.load(open(p))
+  meta["added_tokens"][1][1] = 49150  # recorded as if </promise> had another id
+  json.dump(meta, open(p, "w"))
+  with pytest.raises(ValueError, match="'</promise>' has id 49153 .*, 49150 in the adapter"):
+    load_adapter(ids)
+
+
+def test_untied_head_rows_round_trip(monkeypatch, tmp_path):
+  """An untied head's new columns travel as ``head_rows``; the reload equals the model."""
+  import selforch_jax.trainers.restore as restore
+  from selforch_jax.models.transformer import add_lora, merged_model
+  from selforch_jax.trainers.run import defaults
+  config = defaults()
+  config.model.preset, config.model.weights = "tiny_llama", "random"
+  config.model.lora_rank, config.model.lora_alpha = 2, 4.0
+  config.train.train_embed_rows_from = 250
+  _, m, _ = config_lib.load_model(config.model)
+  m = add_lora(m, 2, 4.0, config.model.lora_targets)
+  rng = np.random.default_rng(0)
+  b = m.layers.o_proj_lora_b
+  b[...] = jnp.asarray(rng.normal(size=b.shape), jnp.float32)
+  m.embed[...] = m.embed[...].at[250:].add(1.0)
+  m.lm_head[...] = m.lm_head[...].at[:, 250:].add(1.0)
+  monkeypatch.setattr(restore, "restore_run", lambda wd, step=None: (config, m, None, 7))
+  out = export_adapter(str(tmp_path / "wd"), str(tmp_path / "a"))
+  meta = json.load(open(os.path.join(out, "adapter_config.json")))
+  assert meta["tensors"]["head_rows"] == [6, 64] and meta["source"]["step"] == 7
+  model, _ = load_adapter(out)
+  ids = list(range(240, 256))
+  np.testing.assert_allclose(_logits(model, ids), _logits(merged_model(m), ids), atol=1e-6, rtol=0)
+
+
+def test_cli_writes_adapter_and_refuses_full_run_flags(run, tmp_path):
+  out = str(tmp_path / "cli")
+  r = subprocess.run([sys.executable, "-m", "selforch_jax.export", f"--workdir={run[1]}",
+                      f"--out={out}", "--adapter"], cwd=ROOT, capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr
+  assert sorted(os.listdir(out)) == ["adapter.safetensors", "adapter_config.json"]
+  r = subprocess.run([sys.executable, "-m", "selforch_jax.export", f"--workdir={run[1]}",
+                      f"--out={out}", "--adapter", "--dtype=bfloat16"], cwd=ROOT,
+                     capture_output=True, text=True)
+  assert r.returncode == 2 and "error: --dtype does not apply" in r.stderr
+
+
+def test_eval_configs_accept_adapter_dirs(adapter, tmp_path):
+  from selforch_jax.eval import pasta
+  c = pasta.defaults()
+  c.pasta = adapter
+  pasta.validate(c)
+  c.pasta = str(tmp_path)
+  with pytest.raises(config_lib.ConfigError, match="adapter directory"):
+    pasta.validate(c)
+
+
+REAL = os.path.join(ROOT, "out", "pasta_sft_rows")
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(REAL, "checkpoints")),
+                    reason="out/pasta_sft_rows (a local PASTA SFT run, not in git) is absent")
+def test_real_pasta_run_adapter_is_under_10_mb(tmp_path):
+  out = export_adapter(REAL, str(tmp_path / "a"))
+  assert os.path.getsize(os.path.join(out, "adapter.safetensors")) < 10_000_000
