@@ -103,12 +103,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise config_lib.ConfigError("eval.n, batch_size, max_new_tokens, page_size must be >= 1")
   if not 0.0 <= ec.recent_ratio < 1.0 or ec.temperature < 0:
     raise config_lib.ConfigError("eval.recent_ratio must be in [0, 1), temperature >= 0")
+  from selforch_jax.eval.run import MODEL_DIRS, is_model_dir
   for key in ("tip", "dense"):
     p = config[key]
-    if p and not (os.path.isdir(os.path.join(p, "checkpoints"))
-                  or os.path.exists(os.path.join(p, "config.json"))):
-      raise config_lib.ConfigError(f"{key}={p!r} is neither a training workdir (with "
-                                   "checkpoints/) nor a Hugging Face directory (with config.json)")
+    if p and not is_model_dir(p):
+      raise config_lib.ConfigError(f"{key}={p!r} is {MODEL_DIRS}")
 
 
 def _load(config, key: str):
