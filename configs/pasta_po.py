@@ -1,4 +1,5 @@
-r"""PASTA policy optimization: BoNBoN / IPO rounds (PASTA paper §4) on GSM8K prompts.
+r"""PASTA policy optimization: BoNBoN / IPO rounds (PASTA paper §4) on Alpaca training
+instructions (the SFT data's prompts; AlpacaEval stays held out for evaluation).
 
 Each round samples ``bonbon.num_samples`` responses per prompt with the PASTA scheduler (the
 runtime forks a thread per promise), scores each response
@@ -60,6 +61,7 @@ def get_config(arg=None):
   b.alpha = 1.0
   b.tau = 0.1
   b.max_prompt_tokens = 200
+  b.dataset, b.split = "alpaca", "train"
   c.optim.lr = 5e-5 if a.lora_rank else 1e-5
   c.optim.warmup_steps = 0
   c.optim.schedule = "constant"
