@@ -9,7 +9,10 @@ Examples::
 
 Writes ``<workdir>/answers.jsonl`` (one row per prompt: id, prompt text, answer text,
 token ids, per-token log-probs, finish reason) and ``<workdir>/summary.json``
-(throughput: prefill ms, decode tokens/s, compile s).
+(throughput: prefill ms, decode tokens/s, compile s). With ``config.pasta.adapter`` set (as in
+``configs/demo.py``) also ``<workdir>/pasta.jsonl``: the adapter's model decoding AlpacaEval
+prompts with PASTA and with AR (:func:`selforch_jax.decoding.run.run_pasta_part`), and a
+``pasta`` block in the summary.
 """
 
 from __future__ import annotations
@@ -49,6 +52,24 @@ def main(argv):
     print(f"\n### {r['id']}: {r['prompt'][:200]}\n{r['text'][:600]}")
   print("\n" + json.dumps(summary, indent=2))
   print(f"answers: {os.path.join(_WORKDIR.value, 'answers.jsonl')}")
+  if "pasta" in summary:
+    print_pasta(summary["pasta"], os.path.join(_WORKDIR.value, "pasta.jsonl"))
+
+
+def print_pasta(block: dict, path: str) -> None:
+  """Print the tagged output and final text of the first PASTA row that forked threads (else
+  the first row), and one summary line."""
+  with open(path, encoding="utf-8") as f:
+    rows = [json.loads(l) for l in f]
+  r = next((r for r in rows if r["threads"]), rows[0])
+  print(f"\n### PASTA {r['id']}: {r['prompt'][:200]}\n--- tagged output ({r['threads']} threads, "
+        f"{r['rounds']} rounds):\n{r['raw'][:1500]}\n--- final text:\n{r['text'][:1500]}")
+  b = block
+  print(f"\nPASTA ({b['adapter']}): {b['n']} AlpacaEval prompts, {b['threads']} threads, "
+        f"{b['tokens_per_forward']:.2f} tokens/forward, theoretical speedup "
+        f"{b['theoretical_speedup']:.2f}x, wall AR/PASTA {b['wall_ratio_ar_over_pasta']:.2f}x "
+        f"(geometric mean), parse rate {b['parse_rate']:.2f}; {b['wall_s']:.0f} s")
+  print(f"pasta rows: {path}")
 
 
 if __name__ == "__main__":

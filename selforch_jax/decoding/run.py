@@ -1,5 +1,12 @@
 """The decode run behind ``python -m selforch_jax.decode``: config schema, validation,
 batching prompts through :class:`~selforch_jax.decoding.generate.Generator`, writing JSONL.
+
+With ``pasta.adapter`` set (a PASTA adapter directory, :mod:`selforch_jax.adapter`), the run then
+decodes ``pasta.alpaca_eval`` AlpacaEval prompts (from index ``pasta.offset``; AlpacaEval never
+enters PASTA training, ``data/pasta/PROVENANCE.md``) with the adapter's model, batch 1, greedy,
+twice on one engine: PASTA (:mod:`selforch_jax.runtime.pasta`) and plain AR, both timed after
+every step size is compiled. It writes ``pasta.jsonl`` (one row per prompt, :func:`run_pasta_part`)
+and a ``pasta`` block in ``summary.json``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ def defaults() -> ml_collections.ConfigDict:
       batch_size=8,
       padding="left",
       sampling=dict(temperature=0.0, top_k=0, top_p=1.0, seed=0),
+      # PASTA parallel decoding after the base part; adapter "" = off
+      pasta=dict(adapter="", alpaca_eval=6, offset=0, max_new_tokens=256, cap=256),
   ))
 
 
@@ -43,6 +52,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
     SamplingParams(**config.sampling.to_dict())
   except ValueError as e:
     raise config_lib.ConfigError(f"sampling: {e}") from None
+  pc = config.pasta
+  if pc.adapter:
+    from selforch_jax.adapter import CONFIG_FILE, is_adapter_dir
+    if not is_adapter_dir(pc.adapter):
+      raise config_lib.ConfigError(
+          f"pasta.adapter={pc.adapter!r} is not an adapter directory (no {CONFIG_FILE}; make one "
+          "with python -m selforch_jax.export --workdir=RUN --out=DIR --adapter)")
+    with open(os.path.join(pc.adapter, CONFIG_FILE)) as f:
+      if not json.load(f)["model"].get("tags", False):
+        raise config_lib.ConfigError(f"pasta.adapter={pc.adapter!r} was trained without the "
+                                     "orchestration tags (model.tags=False): it cannot plan")
+    if min(pc.alpaca_eval, pc.max_new_tokens, pc.cap) < 1 or pc.offset < 0:
+      raise config_lib.ConfigError("pasta.alpaca_eval, pasta.max_new_tokens and pasta.cap must "
+                                   "be >= 1, pasta.offset >= 0")
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
@@ -52,7 +75,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
   Every prompt is encoded and checked against the context length before anything is
   written; answers stream to ``answers.jsonl.partial``, which replaces ``answers.jsonl``
   (and the summary) only when the run completes, so a failed or interrupted run never
-  destroys an earlier run's output.
+  destroys an earlier run's output. With ``config.pasta.adapter`` set, the PASTA part
+  (:func:`run_pasta_part`) follows and writes ``pasta.jsonl`` the same way; its prompts are
+  loaded, and the adapter checked, before any model is.
 
   Returns:
     the summary dict.
@@ -65,6 +90,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
 
   validate(config)
   items = load_prompts(config.inputs, prompts_file, prompt)
+  pasta_items = pasta_prompts(config.pasta) if config.pasta.adapter else None
   sampling = SamplingParams(**config.sampling.to_dict())
   t0 = time.perf_counter()
   cfg, model, tok = config_lib.load_model(config.model)
@@ -122,11 +148,108 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
       "batch_size": bs,
       "finish_reasons": {k: sum(r["finish_reason"] == k for r in rows) for k in ("stop", "length")},
   }
+  pasta_rows = os.path.join(workdir, "pasta.jsonl")
+  if pasta_items is not None:
+    del gen, model
+    summary["pasta"] = run_pasta_part(config.pasta, pasta_items, pasta_rows + ".partial")
   with open(os.path.join(workdir, "summary.json.partial"), "w") as f:
     json.dump(summary, f, indent=2)
   # replace the previous run's files only now that this run is complete
   os.replace(answers + ".partial", answers)
+  if pasta_items is not None:
+    os.replace(pasta_rows + ".partial", pasta_rows)
   os.replace(os.path.join(workdir, "summary.json.partial"), os.path.join(workdir, "summary.json"))
   return summary
 
 
+def pasta_prompts(pc: ml_collections.ConfigDict) -> list[dict]:
+  """The PASTA part's prompts: AlpacaEval rows ``pc.offset .. pc.offset + pc.alpaca_eval - 1``
+  as ``{"id": "alpaca_eval/<i>", "messages"}`` (the ids of :func:`load_prompts`' rows).
+
+  Raises:
+    ConfigError: the file has fewer rows.
+  """
+  from selforch_jax.data import sources
+  end = pc.offset + pc.alpaca_eval
+  rows = sources.load_examples("alpaca_eval", split="test", max_examples=end)
+  if len(rows) < end:
+    raise config_lib.ConfigError(f"pasta.offset + pasta.alpaca_eval = {end} exceeds the "
+                                 f"{len(rows)} AlpacaEval prompts")
+  return [{"id": f"alpaca_eval/{i}", "messages": sources.prompt_and_reference(ex)[0]}
+          for i, ex in enumerate(rows[pc.offset:], pc.offset)]
+
+
+def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) -> dict:
+  """PASTA vs AR with the adapter's model on ``items`` (batch 1, greedy, one engine).
+
+  Every step size and sampling shape is compiled first, and one short untimed run of each
+  system precedes the timed ones, so wall times exclude compiles.
+
+  Args:
+    pc: the ``pasta`` config section (``adapter`` set). items: :func:`pasta_prompts`' rows.
+    path: where the JSONL rows go, one per prompt: ``id``, ``prompt``, ``raw`` (the tagged
+      output in canonical order: PLAN, each round's chunks in promise order, tags written),
+      ``text`` (the final text in logical order, tags dropped), ``threads``, ``rounds``,
+      ``forwards`` (engine steps on the critical path, prefill included), ``tokens`` (tags and
+      stop included), ``tokens_per_forward``, ``theoretical_speedup``, ``well_formed``,
+      ``degraded`` (the degradation rules applied), ``pasta_wall_s``, ``ar_wall_s`` (seconds),
+      ``wall_ratio`` (AR / PASTA), ``ar_text``, ``ar_tokens``.
+
+  Returns:
+    the summary block: ``adapter``, ``n``, ``ids``, ``threads`` (total forked),
+    ``tokens_per_forward`` and ``theoretical_speedup`` (means), ``wall_ratio_ar_over_pasta``
+    (geometric mean), ``parse_rate`` (fraction well-formed), ``load_s``, ``warmup_s``,
+    ``wall_s`` (the timed runs), ``max_new_tokens``, ``cap``.
+  """
+  import math
+
+  from tqdm import tqdm
+
+  from selforch_jax.eval.pasta import make_engine, run_ar, run_pasta, warm_up
+  from selforch_jax.eval.run import load_finetuned
+  from selforch_jax.lang import TagVocab
+
+  t0 = time.perf_counter()
+  model, tok = load_finetuned(pc.adapter)
+  tv = TagVocab.from_tokenizer(tok)
+  load_s = time.perf_counter() - t0
+  prompts = [tok.encode_chat(it["messages"], add_generation_prompt=True) for it in items]
+  P, ps = max(len(p) for p in prompts), 16
+  # a thread's pages are its own: spare pages for the partial last page of up to 16 threads
+  engine = make_engine(model, P + pc.max_new_tokens + 64 + 16 * ps, ps)
+  t0 = time.perf_counter()
+  warm_up(engine, max(P, 64))
+  run_pasta(engine, tok, tv, prompts[0], 8, pc.cap)
+  run_ar(engine, tok, prompts[0], 8)
+  warmup_s = time.perf_counter() - t0
+  recs = []
+  t0 = time.perf_counter()
+  with open(path, "w", encoding="utf-8") as f:
+    for it, p in zip(tqdm(items, desc="pasta", unit="prompt", file=sys.stderr), prompts):
+      a = run_pasta(engine, tok, tv, p, pc.max_new_tokens, pc.cap)
+      b = run_ar(engine, tok, p, pc.max_new_tokens)
+      r = {"id": it["id"], "prompt": it["messages"][-1]["content"], "raw": a["raw"],
+           "text": a["text"], "threads": a["threads"], "rounds": a["rounds"],
+           "forwards": a["forwards"], "tokens": a["tokens"],
+           "tokens_per_forward": round(a["tokens_per_forward"], 4),
+           "theoretical_speedup": round(a["theoretical_speedup"], 4),
+           "well_formed": a["parsed"], "degraded": a["degraded"],
+           "pasta_wall_s": round(a["wall_s"], 3), "ar_wall_s": round(b["wall_s"], 3),
+           "wall_ratio": round(b["wall_s"] / a["wall_s"], 4), "ar_text": b["text"],
+           "ar_tokens": b["tokens"]}
+      recs.append(r)
+      f.write(json.dumps(r, ensure_ascii=False) + "\n")
+      f.flush()
+  n = len(recs)
+  return {
+      "adapter": pc.adapter, "n": n, "ids": [r["id"] for r in recs],
+      "threads": sum(r["threads"] for r in recs),
+      "tokens_per_forward": round(sum(r["tokens_per_forward"] for r in recs) / n, 4),
+      "theoretical_speedup": round(sum(r["theoretical_speedup"] for r in recs) / n, 4),
+      "wall_ratio_ar_over_pasta": round(
+          math.exp(sum(math.log(r["wall_ratio"]) for r in recs) / n), 4),
+      "parse_rate": round(sum(r["well_formed"] for r in recs) / n, 4),
+      "load_s": round(load_s, 3), "warmup_s": round(warmup_s, 3),
+      "wall_s": round(time.perf_counter() - t0, 3),
+      "max_new_tokens": pc.max_new_tokens, "cap": pc.cap,
+  }

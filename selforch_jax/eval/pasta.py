@@ -127,19 +127,25 @@ def _load(config, path: str):
   return model, tok, TagVocab.from_tokenizer(tok)
 
 
-def _engine(model, num_slots: int, page_size: int):
+def make_engine(model, num_slots: int, page_size: int):
+  """An :class:`~selforch_jax.runtime.engine.Engine` on ``model`` with at least ``num_slots``
+  KV slots (whole pages of ``page_size``)."""
   from selforch_jax.runtime.engine import Engine
   return Engine(model, num_pages=-(-num_slots // page_size), page_size=page_size)
 
 
-def _warm_up(engine, max_T: int) -> None:
-  """Compile every step size up to ``max_T`` (powers of two) so timed runs exclude compiles."""
+def warm_up(engine, max_T: int) -> None:
+  """Compile every step size up to ``max_T`` (powers of two), and PASTA's greedy sampling of as
+  many rows, so timed runs exclude compiles; resets the engine's step counters."""
+  from selforch_jax.decoding.sampling import SamplingParams
   from selforch_jax.runtime.engine import bucket_size
+  from selforch_jax.runtime.pasta import sample_rows
   S = engine.num_slots
   T = 1
   while T <= min(bucket_size(max_T), S):
-    engine.step(np.zeros(T, np.int32), np.zeros(T, np.int32), np.arange(T, dtype=np.int32),
-                np.zeros((T, S), bool))
+    logits = engine.step(np.zeros(T, np.int32), np.zeros(T, np.int32),
+                         np.arange(T, dtype=np.int32), np.zeros((T, S), bool))
+    sample_rows(logits, np.arange(T), jax.random.PRNGKey(0), 0, SamplingParams())
     T *= 2
   engine.num_steps = engine.num_query_tokens = 0
 
@@ -216,7 +222,8 @@ def run_ar(engine, tok, prompt, max_new) -> dict:
 
 
 def run_pasta(engine, tok, tv, prompt, max_new, cap) -> dict:
-  """PASTA on one prompt (batch 1)."""
+  """PASTA on one prompt (batch 1, greedy): ``text`` (final, logical order, tags dropped),
+  ``raw`` (the canonical tagged output, tags written), ids, wall seconds, stats."""
   from selforch_jax.runtime import pasta
   t0 = time.perf_counter()
   s = pasta.generate(engine, [prompt], tv, max_new_tokens=max_new, stop_ids=tok.stop_ids, cap=cap)
@@ -227,7 +234,7 @@ def run_pasta(engine, tok, tv, prompt, max_new, cap) -> dict:
               forwards=st.forwards, theoretical_speedup=st.theoretical_speedup,
               tokens_per_forward=st.tokens_per_forward, parsed=st.well_formed,
               threads=st.threads, rounds=st.rounds, degraded=list(st.degraded),
-              raw=_decode(tok, s.results[0].token_ids))
+              raw=tok.decode(s.results[0].token_ids))
 
 
 def run_sot(engine, tok, question, sc) -> dict:
@@ -339,11 +346,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
              sc.max_points * (P + 256 + sc.skeleton_tokens + sc.point_tokens + 32),
              P + fc.promises * (20 * fc.length + 10) * 2 + 64)
   ps = config.page_size
-  base_engine = _engine(base_model, need + 4 * ps, ps)
-  p_engine = base_engine if same else _engine(p_model, need + 4 * ps, ps)
+  base_engine = make_engine(base_model, need + 4 * ps, ps)
+  p_engine = base_engine if same else make_engine(p_model, need + 4 * ps, ps)
   for e in {id(base_engine): base_engine, id(p_engine): p_engine}.values():
     if config.warmup:
-      _warm_up(e, max(P, 256 + P, 2 * sc.max_points + 8))
+      warm_up(e, max(P, 256 + P, 2 * sc.max_points + 8))
   nll = _NLL(base_model)
   recs = {s: [] for s in systems}
   for i, (q, pr, pp) in enumerate(zip(questions, prompts, p_prompts)):
@@ -378,9 +385,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   points = []
   for lab, path in _pareto_runs(config.pareto):
     m, t, tv = _load(config, path)
-    e = _engine(m, need + 4 * ps, ps)
+    e = make_engine(m, need + 4 * ps, ps)
     if config.warmup:
-      _warm_up(e, max(P, 2 * sc.max_points + 8))
+      warm_up(e, max(P, 2 * sc.max_points + 8))
     rr = []
     for i, pr in enumerate(prompts):
       r = run_pasta(e, t, tv, t.encode_chat(prompt_and_reference(rows[i])[0],
