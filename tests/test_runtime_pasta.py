@@ -229,3 +229,73 @@ def test_pasta_scheduler_train_equals_decode_smollm2():
                        length_unit=2)
   assert sorted(zip(canon.positions.tolist(), canon.token_ids.tolist())) == \
       sorted(zip(lay.positions.tolist(), lay.token_ids.tolist()))
+
+
+def test_tag_grammar_and_constrained_sampling():
+  """The grammar's table, and the sampler never returns a banned id (a banned argmax falls to the
+  next best; only-tags rows pick among the allowed tags)."""
+  inner_len = [20, 4, 48 + 3]   # text, text, the digit "3" (a length)
+  K = len(TV.registers)
+  assert pasta.grammar_ids(TV)[:5] == (TV.promise_open, TV.promise_close, TV.async_open,
+                                       TV.async_close, TV.sync)
+  thread, _ = pasta.tag_grammar(TV, True, False, [], False, False)
+  assert [i for i, b in zip(pasta.grammar_ids(TV), thread) if not b] == [TV.async_close,
+                                                                         *TV.registers]
+  assert pasta.tag_grammar(TV, False, True, inner_len[:2], False, False)[0] == [True] * (7 + K)
+  in_promise, _ = pasta.tag_grammar(TV, False, True, inner_len, False, False)   # "... 3"
+  assert [i for i, b in zip(pasta.grammar_ids(TV), in_promise) if not b] == [TV.promise_close]
+  after, only = pasta.tag_grammar(TV, False, False, [], True, True)
+  assert only and [i for i, b in zip(pasta.grammar_ids(TV), after) if not b] == [
+      TV.promise_open, TV.async_open]
+  main, only = pasta.tag_grammar(TV, False, False, [], False, False)   # no round: no <async>
+  assert not only and [i for i, b in zip(pasta.grammar_ids(TV), main) if not b] == [
+      TV.promise_open, *TV.registers]
+  V = 40
+  ids = (30, 31, 32)
+  logits = np.full((3, V), -5.0, np.float32)
+  logits[:, 31] = 9.0     # the best token of every row is tag 31
+  logits[:, 5] = 8.0      # then text 5
+  logits[:, 30] = 7.0     # then tag 30
+  ban = [[False, True, False], [False, False, False], [False, True, False]]
+  only = [False, False, True]
+  tok, lp = pasta.sample_rows(jax.numpy.asarray(logits), [0, 1, 2], jax.random.PRNGKey(0), 0,
+                              SamplingParams(), constraint=(ids, ban, only))
+  assert tok.tolist() == [5, 31, 30]
+  # log-probs of the constrained distribution: row 2 chooses among tags 30 and 32 only
+  assert np.isclose(lp[2], 7.0 - np.logaddexp(7.0, -5.0), atol=1e-5)
+  free, _ = pasta.sample_rows(jax.numpy.asarray(logits), [0, 1, 2], jax.random.PRNGKey(0), 0,
+                              SamplingParams())
+  assert free.tolist() == [31, 31, 31]
+
+
+def test_constrained_decoding_writes_only_well_formed_tags():
+  """The malformed-plan model of the test above (high temperature over 7 tags), decoded under
+  the tag grammar: the rules that constrained decoding rules out never fire, the model still
+  plans and forks, and every request keeps its text."""
+  model = init_model(get_preset("tiny_llama", vocab_size=SB + 7), seed=2)
+  engine = Engine(model, num_pages=256, page_size=4)
+  rules, free_rules = collections.Counter(), collections.Counter()
+  forks = 0
+  prompts = [[0, 1, 14, 15][: 1 + (i % 4)] for i in range(16)]
+  for seed in range(2):
+    for constrain, counter in ((True, rules), (False, free_rules)):
+      sched = pasta.generate(engine, prompts, STV, max_new_tokens=48, length_unit=1, cap=4,
+                             sampling=SamplingParams(temperature=4.0, seed=seed), stop_ids=[2],
+                             constrain_tags=constrain)
+      for i in range(len(prompts)):
+        counter.update(n.split(": ")[1] for n in sched.stats[i].degraded)
+        if constrain:
+          forks += sched.stats[i].threads > 0
+          res = sched.results[i]
+          kept = assemble(res.token_ids, STV, keep_topics=True, cap=4, length_unit=1)
+          plain = lambda ids: collections.Counter(t for t in ids if not STV.is_tag(t))
+          assert plain(kept) == plain(res.token_ids)
+  assert engine.pool.owners() == []
+  assert forks > 0
+  ruled_out = ("stray_tag", "tag_in_promise", "promise_without_length", "tag_in_chunk",
+               "eos_in_thread", "implicit_async", "closed_thread", "no_such_thread")
+  assert sum(free_rules[r] for r in ruled_out) > 0, free_rules   # the unconstrained model errs
+  assert all(rules[r] == 0 for r in ruled_out), rules
+  # what remains is the budget: a thread at its cap, a promise or chunk open at max_new_tokens
+  assert set(rules) <= {"chunk_cap", "unclosed_promise", "unclosed_chunk", "unmatched_promise"}, \
+      rules

@@ -33,7 +33,8 @@ def defaults() -> ml_collections.ConfigDict:
       padding="left",
       sampling=dict(temperature=0.0, top_k=0, top_p=1.0, seed=0),
       # PASTA parallel decoding after the base part; adapter "" = off
-      pasta=dict(adapter="", alpaca_eval=6, offset=0, max_new_tokens=256, cap=256),
+      pasta=dict(adapter="", alpaca_eval=6, offset=0, max_new_tokens=256, cap=256,
+                 constrain_tags=True),
   ))
 
 
@@ -205,7 +206,8 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
 
   from tqdm import tqdm
 
-  from selforch_jax.eval.pasta import make_engine, run_ar, run_pasta, warm_up
+  from selforch_jax.eval.pasta import (make_engine, pasta_constraint_ids, run_ar, run_pasta,
+                                       warm_up)
   from selforch_jax.eval.run import load_finetuned
   from selforch_jax.lang import TagVocab
 
@@ -218,15 +220,15 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
   # a thread's pages are its own: spare pages for the partial last page of up to 16 threads
   engine = make_engine(model, P + pc.max_new_tokens + 64 + 16 * ps, ps)
   t0 = time.perf_counter()
-  warm_up(engine, max(P, 64))
-  run_pasta(engine, tok, tv, prompts[0], 8, pc.cap)
+  warm_up(engine, max(P, 64), pasta_constraint_ids(tv, tok) if pc.constrain_tags else None)
+  run_pasta(engine, tok, tv, prompts[0], 8, pc.cap, pc.constrain_tags)
   run_ar(engine, tok, prompts[0], 8)
   warmup_s = time.perf_counter() - t0
   recs = []
   t0 = time.perf_counter()
   with open(path, "w", encoding="utf-8") as f:
     for it, p in zip(tqdm(items, desc="pasta", unit="prompt", file=sys.stderr), prompts):
-      a = run_pasta(engine, tok, tv, p, pc.max_new_tokens, pc.cap)
+      a = run_pasta(engine, tok, tv, p, pc.max_new_tokens, pc.cap, pc.constrain_tags)
       b = run_ar(engine, tok, p, pc.max_new_tokens)
       r = {"id": it["id"], "prompt": it["messages"][-1]["content"], "raw": a["raw"],
            "text": a["text"], "threads": a["threads"], "rounds": a["rounds"],

@@ -26,7 +26,10 @@ Figures per system, each with n and a bootstrap 95% CI (:mod:`selforch_jax.eval.
   forwards on its critical path (PASTA's definition; :class:`~selforch_jax.runtime.pasta.
   PastaStats`; SoT/APAR: tokens generated over engine steps); AR is 1;
 * ``tokens_per_forward``: every token the engine ran for the response (tags included) per step;
-* ``parse_rate``: PASTA: no degradation rule applied; SoT: the skeleton had numbered points;
+* ``parse_rate``: PASTA: no degradation rule applied (with ``constrain_tags``, the default, the
+  runtime samples under the tag grammar, :func:`selforch_jax.runtime.pasta.tag_grammar`, so the
+  rules left are the budget ones: a thread at its cap, a plan or chunk open at
+  ``max_new_tokens``); SoT: the skeleton had numbered points;
   APAR: at least one fork;
 * judge-free quality: ``nll`` — mean per-token negative log-likelihood (nats) of the de-tagged
   response under the baseline model given the chat prompt (one full forward), and its paired
@@ -69,7 +72,7 @@ def defaults() -> ml_collections.ConfigDict:
       model=config_lib.model_defaults(),
       pasta="", baseline="", pareto="",
       n=100, offset=0, max_new_tokens=256, systems="ar,pasta,sot,apar",
-      page_size=16, cap=256,
+      page_size=16, cap=256, constrain_tags=True,
       sot=dict(skeleton_tokens=64, point_tokens=64, max_points=6),
       apar=dict(child_tokens=64, max_forks=8),
       judge=dict(backend="", url="", model="", api_key_env="OPENAI_API_KEY"),
@@ -134,9 +137,11 @@ def make_engine(model, num_slots: int, page_size: int):
   return Engine(model, num_pages=-(-num_slots // page_size), page_size=page_size)
 
 
-def warm_up(engine, max_T: int) -> None:
+def warm_up(engine, max_T: int, constraint_ids=None) -> None:
   """Compile every step size up to ``max_T`` (powers of two), and PASTA's greedy sampling of as
-  many rows, so timed runs exclude compiles; resets the engine's step counters."""
+  many rows (also constrained to the tag grammar over ``constraint_ids`` when given:
+  :func:`pasta_constraint_ids`), so timed runs exclude compiles; resets the engine's step
+  counters."""
   from selforch_jax.decoding.sampling import SamplingParams
   from selforch_jax.runtime.engine import bucket_size
   from selforch_jax.runtime.pasta import sample_rows
@@ -146,8 +151,18 @@ def warm_up(engine, max_T: int) -> None:
     logits = engine.step(np.zeros(T, np.int32), np.zeros(T, np.int32),
                          np.arange(T, dtype=np.int32), np.zeros((T, S), bool))
     sample_rows(logits, np.arange(T), jax.random.PRNGKey(0), 0, SamplingParams())
+    if constraint_ids is not None:
+      G = len(constraint_ids)
+      sample_rows(logits, np.arange(T), jax.random.PRNGKey(0), 0, SamplingParams(),
+                  (constraint_ids, np.zeros((T, G), bool), np.zeros(T, bool)))
     T *= 2
   engine.num_steps = engine.num_query_tokens = 0
+
+
+def pasta_constraint_ids(tv, tok) -> tuple[int, ...]:
+  """The ids the PASTA scheduler constrains with ``constrain_tags`` (for :func:`warm_up`)."""
+  from selforch_jax.runtime.pasta import grammar_ids
+  return (*grammar_ids(tv), *sorted(int(i) for i in tok.stop_ids))
 
 
 class _NLL:
@@ -221,12 +236,14 @@ def run_ar(engine, tok, prompt, max_new) -> dict:
               parsed=True)
 
 
-def run_pasta(engine, tok, tv, prompt, max_new, cap) -> dict:
-  """PASTA on one prompt (batch 1, greedy): ``text`` (final, logical order, tags dropped),
-  ``raw`` (the canonical tagged output, tags written), ids, wall seconds, stats."""
+def run_pasta(engine, tok, tv, prompt, max_new, cap, constrain_tags: bool = False) -> dict:
+  """PASTA on one prompt (batch 1, greedy; ``constrain_tags``: under the tag grammar,
+  :func:`selforch_jax.runtime.pasta.tag_grammar`): ``text`` (final, logical order, tags
+  dropped), ``raw`` (the canonical tagged output, tags written), ids, wall seconds, stats."""
   from selforch_jax.runtime import pasta
   t0 = time.perf_counter()
-  s = pasta.generate(engine, [prompt], tv, max_new_tokens=max_new, stop_ids=tok.stop_ids, cap=cap)
+  s = pasta.generate(engine, [prompt], tv, max_new_tokens=max_new, stop_ids=tok.stop_ids, cap=cap,
+                     constrain_tags=constrain_tags)
   wall = time.perf_counter() - t0
   st = s.stats[0]
   ids = s.text_ids(0)
@@ -350,7 +367,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   p_engine = base_engine if same else make_engine(p_model, need + 4 * ps, ps)
   for e in {id(base_engine): base_engine, id(p_engine): p_engine}.values():
     if config.warmup:
-      warm_up(e, max(P, 256 + P, 2 * sc.max_points + 8))
+      warm_up(e, max(P, 256 + P, 2 * sc.max_points + 8),
+              pasta_constraint_ids(p_tv, p_tok) if ec.constrain_tags else None)
   nll = _NLL(base_model)
   recs = {s: [] for s in systems}
   for i, (q, pr, pp) in enumerate(zip(questions, prompts, p_prompts)):
@@ -358,7 +376,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if s == "ar":
         r = run_ar(base_engine, base_tok, pr, ec.max_new_tokens)
       elif s == "pasta":
-        r = run_pasta(p_engine, p_tok, p_tv, pp, ec.max_new_tokens, ec.cap)
+        r = run_pasta(p_engine, p_tok, p_tv, pp, ec.max_new_tokens, ec.cap,
+                      ec.constrain_tags)
       elif s == "sot":
         r = run_sot(base_engine, base_tok, q, sc)
       else:
@@ -387,11 +406,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     m, t, tv = _load(config, path)
     e = make_engine(m, need + 4 * ps, ps)
     if config.warmup:
-      warm_up(e, max(P, 2 * sc.max_points + 8))
+      warm_up(e, max(P, 2 * sc.max_points + 8),
+              pasta_constraint_ids(tv, t) if ec.constrain_tags else None)
     rr = []
     for i, pr in enumerate(prompts):
       r = run_pasta(e, t, tv, t.encode_chat(prompt_and_reference(rows[i])[0],
-                                            add_generation_prompt=True), ec.max_new_tokens, ec.cap)
+                                            add_generation_prompt=True), ec.max_new_tokens, ec.cap,
+                    ec.constrain_tags)
       resp = base_tok.encode(r["text"])
       r.update(nll=nll(pr, resp), length=len(resp), prompt_index=ec.offset + i, system=lab)
       rr.append(r)

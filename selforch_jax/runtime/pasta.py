@@ -74,7 +74,8 @@ from selforch_jax.lang.tags import TOKENS_PER_UNIT
 from selforch_jax.runtime.engine import Engine, bucket_size
 from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run
 
-__all__ = ["PASTAScheduler", "PastaStats", "sample_rows", "generate"]
+__all__ = ["PASTAScheduler", "PastaStats", "sample_rows", "grammar_ids", "tag_grammar",
+           "generate"]
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
@@ -84,23 +85,78 @@ def _sample_padded(logits, key, step, params: SamplingParams):
   return tok, lp
 
 
+@functools.partial(jax.jit, static_argnums=(3,))
+def _sample_constrained(logits, key, step, params: SamplingParams, ban, only_tags, tag_ids):
+  tag_logits = jnp.where(ban, -jnp.inf, logits[:, tag_ids])
+  logits = jnp.where(only_tags[:, None], -jnp.inf, logits).at[:, tag_ids].set(tag_logits)
+  return _sample_padded(logits, key, step, params)
+
+
 def sample_rows(logits: jax.Array, rows: Sequence[int], key: jax.Array, step: int,
-                params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+                params: SamplingParams, constraint: tuple | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
   """Sample one token from each of ``logits[rows]`` with :func:`~selforch_jax.decoding.sampling.
   sample_token` (key ``fold_in(key, step)``), rows padded to a power of two so few shapes compile.
 
   Args:
     logits: float32 ``[T, V]`` device array. rows: R row indices. key: PRNG key.
     step: the scheduler's step counter. params: :class:`SamplingParams`.
+    constraint: None, or ``(tag_ids int[G], ban bool[R, G], only_tags bool[R])``: row r may not
+      sample ``tag_ids[g]`` where ``ban[r, g]``, and samples only among ``tag_ids`` where
+      ``only_tags[r]`` (the logits of excluded tokens are set to -inf before sampling, so
+      log-probs are those of the constrained distribution).
 
   Returns:
     ``(tokens int32[R], logprobs float32[R])`` (natural log) as numpy arrays.
   """
   rows = np.asarray(rows, np.int32)
   R = rows.size
-  padded = np.concatenate([rows, np.full(bucket_size(R) - R, rows[0], np.int32)])
-  tok, lp = jax.device_get(_sample_padded(jnp.take(logits, padded, axis=0), key, step, params))
+  pad = bucket_size(R) - R
+  padded = np.concatenate([rows, np.full(pad, rows[0], np.int32)])
+  sub = jnp.take(logits, padded, axis=0)
+  if constraint is None:
+    tok, lp = jax.device_get(_sample_padded(sub, key, step, params))
+  else:
+    tag_ids, ban, only = constraint
+    ban = np.concatenate([np.asarray(ban, bool), np.zeros((pad, len(tag_ids)), bool)])
+    only = np.concatenate([np.asarray(only, bool), np.zeros(pad, bool)])
+    tok, lp = jax.device_get(_sample_constrained(sub, key, step, params, ban, only,
+                                                 np.asarray(tag_ids, np.int32)))
   return np.asarray(tok[:R]), np.asarray(lp[:R])
+
+
+def grammar_ids(tv: TagVocab) -> tuple[int, ...]:
+  """The ids :func:`tag_grammar` rules on, in its order: ``<promise>``, ``</promise>``,
+  ``<async>``, ``</async>``, ``<sync/>``, ``<|mask|>``, ``[PAD]``, then ``<reg_0..K-1>``."""
+  return (tv.promise_open, tv.promise_close, tv.async_open, tv.async_close, tv.sync, tv.mask,
+          tv.pad, *tv.registers)
+
+
+def tag_grammar(tv: TagVocab, in_thread: bool, in_promise: bool, promise_inner: Sequence[int],
+                after_promise: bool, round_open: bool) -> tuple[list[bool], bool]:
+  """Which tags may come next (constrained decoding of PASTA's tag grammar, DESIGN.md §3).
+
+  A thread writes text, register tags (TIP inside threads) or its ``</async>``; inside a promise
+  only ``</promise>`` may close it, and only once the promise ends with a length (``TOPIC N``,
+  :meth:`TagVocab.split_length`); right after a ``</promise>`` the PLAN goes on with
+  ``<promise>`` or forks with ``<async>`` (nothing else); elsewhere the main thread writes text
+  or register tags, opens a promise, or forks when a round is open. ``<sync/>`` is always the
+  runtime's; ``<|mask|>`` and ``[PAD]`` are never sampled. Text is restricted only right after
+  ``</promise>``.
+
+  Returns:
+    ``(ban, only_tags)``: ``ban`` one bool per id of :func:`grammar_ids`; ``only_tags`` True when
+    nothing but the allowed tags may follow.
+  """
+  K = len(tv.registers)
+  if in_thread:
+    return [True, True, True, False, True, True, True] + [False] * K, False
+  if in_promise:
+    _, n = tv.split_length(promise_inner)
+    return [True, not n, True, True, True, True, True] + [True] * K, False
+  if after_promise:
+    return [False, True, not round_open, True, True, True, True] + [True] * K, True
+  return [False, True, not round_open, True, True, True, True] + [False] * K, False
 
 
 @dataclasses.dataclass
@@ -170,6 +226,9 @@ class _Request:
     self.max_parallel = 0
     self.t0: float | None = None
     self.t1: float | None = None
+    self.in_promise = False              # main thread: tag-grammar state (constrain_tags)
+    self.promise_inner: list[int] = []
+    self.last_main: int | None = None
 
   @property
   def done(self) -> bool:
@@ -219,6 +278,11 @@ class PASTAScheduler(Scheduler):
       finish_reason ``"rounds"``), e.g. to time one round of threads.
     owner_base / segment_base: first owner / segment id this job uses (it allocates more as
       threads fork); segments below ``segment_base`` stay invisible.
+    constrain_tags: sample under the tag grammar (:func:`tag_grammar`: e.g. a promise closes
+      only with ``</promise>`` after its length, a thread cannot open a promise; a stop token
+      cannot be sampled inside a promise, right after one, or inside a thread); sampled
+      log-probs are then those of the constrained distribution. Off by default (the training
+      forward's log-probs and the parser's degradation paths are what the tests compare).
 
   After :func:`~selforch_jax.runtime.scheduler.run`: :attr:`results` (one
   :class:`GenerationResult` per prompt; ``token_ids`` canonical, tags included, stop excluded;
@@ -233,7 +297,8 @@ class PASTAScheduler(Scheduler):
   def __init__(self, prompts: Sequence[Sequence[int]], tag_vocab: TagVocab, max_new_tokens: int,
                sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                cap: int | None = DEFAULT_CAP, length_unit: int = TOKENS_PER_UNIT,
-               max_rounds: int | None = None, owner_base: int = 0, segment_base: int = 0):
+               max_rounds: int | None = None, owner_base: int = 0, segment_base: int = 0,
+               constrain_tags: bool = False):
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("PASTAScheduler needs at least one prompt, none empty")
     if max_new_tokens < 1:
@@ -245,6 +310,10 @@ class PASTAScheduler(Scheduler):
     self.max_new = int(max_new_tokens)
     self.max_rounds = max_rounds
     self.sampling = sampling
+    self.constrain_tags = bool(constrain_tags)
+    tv = self.tv
+    # the tag grammar's ids, then the stop ids (banned inside a promise and inside a thread)
+    self._grammar_ids = (*grammar_ids(tv), *sorted(self.stops))
     self.key = jax.random.PRNGKey(sampling.seed)
     self.reqs = [_Request(list(map(int, p)), self.tv, cap, length_unit) for p in prompts]
     self._next_owner = int(owner_base)
@@ -291,6 +360,14 @@ class PASTAScheduler(Scheduler):
     r.track(ev)
     i = b.num_tokens - 1
     key = MAIN if stream is None else stream
+    if stream is None:
+      if token == self.tv.promise_open:
+        r.in_promise, r.promise_inner = True, []
+      elif token == self.tv.promise_close:
+        r.in_promise = False
+      elif r.in_promise:
+        r.promise_inner.append(token)
+      r.last_main = token
     q["tokens"].append(token)
     q["positions"].append(b.position_of(i))
     q["segments"].append(self._engine_segment(r, b.segment_of(i)))
@@ -411,7 +488,11 @@ class PASTAScheduler(Scheduler):
       self._prefilled += 1
     rows = [j for j, m in enumerate(meta) if m[2]]
     if rows:
-      toks, lps = sample_rows(result.logits, rows, self.key, self.step, self.sampling)
+      constraint = None
+      if self.constrain_tags:
+        gram = [self._grammar(self.reqs[meta[j][0]], meta[j][1]) for j in rows]
+        constraint = (self._grammar_ids, [g[0] for g in gram], [g[1] for g in gram])
+      toks, lps = sample_rows(result.logits, rows, self.key, self.step, self.sampling, constraint)
       self.step += 1
       for j, t, lp in zip(rows, toks.tolist(), lps.tolist()):
         ri, stream, _ = meta[j]
@@ -428,6 +509,13 @@ class PASTAScheduler(Scheduler):
         self._finish(r, "rounds")
     if self._prefilled == len(self.reqs) and all(r.done for r in self.reqs):
       self._finalize()
+
+  def _grammar(self, r: _Request, stream: int) -> tuple[list[bool], bool]:
+    in_thread = stream != MAIN
+    after = not in_thread and r.last_main == self.tv.promise_close
+    ban, only = tag_grammar(self.tv, in_thread, r.in_promise, r.promise_inner, after,
+                            bool(r.round_lengths))
+    return ban + [in_thread or r.in_promise or after] * len(self.stops), only
 
   def _on_token(self, r: _Request, stream: int, tok: int, lp: float, from_index: int) -> None:
     r.sampled += 1
