@@ -114,3 +114,33 @@ def test_pareto_plot_and_errors(tmp_path):
   c.systems = "pasta,sot"
   with pytest.raises(Exception, match="'ar' required"):
     eval_pasta.validate(c)
+
+
+def test_parse_rate_counts_budget_truncation_apart():
+  """A plan whose threads are still open when the answer reaches max_new_tokens is cut like an
+  AR answer: ``parsed`` (the parse rate) but not ``parsed_strict``; with room to finish, the
+  same plan is well-formed under both."""
+  from selforch_jax.lang import Promise, Round, TagVocab, serialize
+  from selforch_jax.models.config import get_preset
+  from selforch_jax.models.transformer import init_model
+  from selforch_jax.runtime.engine import Engine
+
+  tv = TagVocab.appended(64, 0, eos_ids=[2], digit_ids=range(3, 13), space_ids=[13])
+  model = init_model(get_preset("tiny_llama", vocab_size=64 + 7), seed=1)
+  engine = Engine(model, num_pages=64, page_size=4)
+
+  class Tok:
+    stop_ids = ()
+
+    def decode(self, ids, skip_special_tokens=False):
+      return " ".join(map(str, ids))
+
+  prompt = serialize([20, 21, Round(plan=(Promise((30,), 1), Promise((31,), 1)), sync=False)],
+                     tv) + [tv.async_open]
+  cut = eval_pasta.run_pasta(engine, Tok(), tv, prompt, 6, 3, constrain_tags=True)
+  assert cut["finish_reason"] == "length" and cut["degraded"]
+  assert all(d.startswith("end:") for d in cut["degraded"])
+  assert cut["parsed"] and not cut["parsed_strict"]
+  room = eval_pasta.run_pasta(engine, Tok(), tv, prompt, 40, 3, constrain_tags=True)
+  assert room["threads"] == 2
+  assert room["parsed"] == room["parsed_strict"] == (not room["degraded"])

@@ -26,10 +26,11 @@ Figures per system, each with n and a bootstrap 95% CI (:mod:`selforch_jax.eval.
   forwards on its critical path (PASTA's definition; :class:`~selforch_jax.runtime.pasta.
   PastaStats`; SoT/APAR: tokens generated over engine steps); AR is 1;
 * ``tokens_per_forward``: every token the engine ran for the response (tags included) per step;
-* ``parse_rate``: PASTA: no degradation rule applied (with ``constrain_tags``, the default, the
-  runtime samples under the tag grammar, :func:`selforch_jax.runtime.pasta.tag_grammar`, so the
-  rules left are the budget ones: a thread at its cap, a plan or chunk open at
-  ``max_new_tokens``); SoT: the skeleton had numbered points;
+* ``parse_rate``: PASTA: no degradation rule applied, except the ones that close a plan or chunk
+  still open when the answer reached ``max_new_tokens`` (an AR answer is cut there too);
+  ``parse_rate_strict`` counts those as failures. With ``constrain_tags`` (the default) the
+  runtime samples under the tag grammar (:func:`selforch_jax.runtime.pasta.tag_grammar`), so the
+  rules left are the budget ones (those, and a thread at its cap); SoT: the skeleton had numbered points;
   APAR: at least one fork;
 * judge-free quality: ``nll`` — mean per-token negative log-likelihood (nats) of the de-tagged
   response under the baseline model given the chat prompt (one full forward), and its paired
@@ -247,9 +248,15 @@ def run_pasta(engine, tok, tv, prompt, max_new, cap, constrain_tags: bool = Fals
   wall = time.perf_counter() - t0
   st = s.stats[0]
   ids = s.text_ids(0)
+  finish = s.results[0].finish_reason
+  # truncated at max_new_tokens is not malformed (AR's answers are cut there too): the budget
+  # rules, applied at the end ("end: ..."), of a job that ran out of tokens
+  budget_only = finish == "length" and all(d.startswith("end:") for d in st.degraded)
   return dict(text=_decode(tok, ids), ids=ids, wall_s=wall, tokens=st.tokens,
               forwards=st.forwards, theoretical_speedup=st.theoretical_speedup,
-              tokens_per_forward=st.tokens_per_forward, parsed=st.well_formed,
+              tokens_per_forward=st.tokens_per_forward,
+              parsed=st.well_formed or budget_only, parsed_strict=st.well_formed,
+              finish_reason=finish,
               threads=st.threads, rounds=st.rounds, degraded=list(st.degraded),
               raw=tok.decode(s.results[0].token_ids))
 
@@ -284,6 +291,7 @@ def summarize(recs: list[dict], ar_recs: list[dict], ec, judge_scores=None) -> d
       "theoretical_speedup": _ci([r["theoretical_speedup"] for r in recs], ec),
       "tokens_per_forward": _ci([r["tokens_per_forward"] for r in recs], ec),
       "parse_rate": _ci([float(r["parsed"]) for r in recs], ec),
+      "parse_rate_strict": _ci([float(r.get("parsed_strict", r["parsed"])) for r in recs], ec),
       "nll": _ci([r["nll"] for r in recs], ec),
       "nll_minus_ar": _paired([r["nll"] for r in recs], [a["nll"] for a in ar_recs], ec),
       "length": _ci([r["length"] for r in recs], ec),
@@ -359,35 +367,48 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                                       add_generation_prompt=True) for r in rows]
   P = max(len(p) for p in prompts + p_prompts)
   sc, apc, fc = config.sot, config.apar, config.forced
-  need = max(P + ec.max_new_tokens + 64,
-             sc.max_points * (P + 256 + sc.skeleton_tokens + sc.point_tokens + 32),
-             P + fc.promises * (20 * fc.length + 10) * 2 + 64)
+  # each system runs on a pool sized to its own need (the CPU engine attends over every slot,
+  # so a pool sized for SoT's parallel prompts would slow AR and PASTA alike): AR and PASTA get
+  # the same size (PASTA's spare pages: each of up to 32 threads ends in a partial page)
   ps = config.page_size
-  base_engine = make_engine(base_model, need + 4 * ps, ps)
-  p_engine = base_engine if same else make_engine(p_model, need + 4 * ps, ps)
-  for e in {id(base_engine): base_engine, id(p_engine): p_engine}.values():
-    if config.warmup:
-      warm_up(e, max(P, 256 + P, 2 * sc.max_points + 8),
-              pasta_constraint_ids(p_tv, p_tok) if ec.constrain_tags else None)
+  seq = P + ec.max_new_tokens + 64 + 32 * ps
+  sizes = {"ar": seq, "pasta": seq, "apar": seq + apc.max_forks * (apc.child_tokens + ps),
+           "sot": sc.max_points * (P + 256 + sc.skeleton_tokens + sc.point_tokens + 32) + 4 * ps,
+           "forced": P + fc.promises * (20 * fc.length + 10) * 2 + 64 + 4 * ps}
+  engines = {}
+
+  def engine_for(system):
+    model = p_model if system in ("pasta", "forced") else base_model
+    key = (id(model), sizes[system])
+    if key not in engines:
+      engines[key] = make_engine(model, sizes[system], ps)
+      if config.warmup:
+        warm_up(engines[key], max(P, 256 + P, 2 * sc.max_points + 8),
+                pasta_constraint_ids(p_tv, p_tok) if ec.constrain_tags else None)
+    return engines[key]
+
+  for s in systems:
+    engine_for(s)
   nll = _NLL(base_model)
   recs = {s: [] for s in systems}
   for i, (q, pr, pp) in enumerate(zip(questions, prompts, p_prompts)):
     for s in systems:
       if s == "ar":
-        r = run_ar(base_engine, base_tok, pr, ec.max_new_tokens)
+        r = run_ar(engine_for("ar"), base_tok, pr, ec.max_new_tokens)
       elif s == "pasta":
-        r = run_pasta(p_engine, p_tok, p_tv, pp, ec.max_new_tokens, ec.cap,
+        r = run_pasta(engine_for("pasta"), p_tok, p_tv, pp, ec.max_new_tokens, ec.cap,
                       ec.constrain_tags)
       elif s == "sot":
-        r = run_sot(base_engine, base_tok, q, sc)
+        r = run_sot(engine_for("sot"), base_tok, q, sc)
       else:
-        r = run_apar(base_engine, base_tok, pr, ec.max_new_tokens, apc)
+        r = run_apar(engine_for("apar"), base_tok, pr, ec.max_new_tokens, apc)
       resp = base_tok.encode(r["text"])
       r.update(nll=nll(pr, resp), length=len(resp), prompt_index=ec.offset + i, system=s)
       recs[s].append(r)
     print(f"  {i + 1}/{len(rows)}: " + " ".join(
         f"{s} {recs[s][-1]['wall_s']:.2f}s" for s in systems), file=sys.stderr)
-  judge = judges.make_judge(config.judge, base_engine, base_tok)
+  judge = judges.make_judge(  # a local judge reads two answers: the largest pool
+      config.judge, engine_for("sot") if config.judge.backend == "local" else None, base_tok)
   out = {"n": len(rows), "subset": [ec.offset, ec.offset + len(rows)],
          "file": "data/alpaca_eval/gpt4_1106_preview_model_outputs.json",
          "config": config.to_dict(), "machine": {"backend": jax.default_backend(),
@@ -404,7 +425,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   points = []
   for lab, path in _pareto_runs(config.pareto):
     m, t, tv = _load(config, path)
-    e = make_engine(m, need + 4 * ps, ps)
+    e = make_engine(m, sizes["pasta"], ps)
     if config.warmup:
       warm_up(e, max(P, 2 * sc.max_points + 8),
               pasta_constraint_ids(tv, t) if ec.constrain_tags else None)
@@ -419,7 +440,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     out["systems"][f"pasta[{lab}]"] = summarize(rr, recs["ar"], ec)
     recs[f"pasta[{lab}]"] = rr
   if fc.n > 0:
-    out["forced_plan"] = forced_plan(p_engine, p_tok, p_tv, p_prompts[:fc.n], fc, ec)
+    out["forced_plan"] = forced_plan(engine_for("forced"), p_tok, p_tv, p_prompts[:fc.n], fc, ec)
   for name, summ in out["systems"].items():
     if name == "ar" or summ["wall_speedup"] is None or summ["nll_minus_ar"] is None:
       continue
@@ -453,8 +474,8 @@ def summary(out: dict) -> str:
   from selforch_jax.eval.stats import format_ci
   lines = [f"AlpacaEval prompts {out['subset'][0]}..{out['subset'][1]} (n={out['n']}), "
            f"total {out['total_wall_s']:.0f} s"]
-  keys = ("wall_speedup", "theoretical_speedup", "tokens_per_forward", "parse_rate", "nll",
-          "nll_minus_ar", "length", "win_rate_vs_ar")
+  keys = ("wall_speedup", "theoretical_speedup", "tokens_per_forward", "parse_rate",
+          "parse_rate_strict", "nll", "nll_minus_ar", "length", "win_rate_vs_ar")
   for name, s in out["systems"].items():
     lines.append(f"{name}:")
     for k in keys:
