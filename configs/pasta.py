@@ -19,8 +19,9 @@ pasta_rules`` run in the pipeline), ``model`` (a preset; ``smollm2_135m`` loads 
 others are random with the SmolLM2 tokenizer), ``scale`` (cpu | accel), ``steps``, ``seq_len``,
 ``batch_size``, ``lora_rank`` (-1 = the scale's default), ``repeats`` (``data.annotated_repeats``:
 each annotated training record appears this many times per epoch, in both stages; default 3, which
-makes the 308 annotated records about half of the 1194 training rows; the tag-less three quarters
-otherwise teach the model that an answer rarely starts with a plan).
+makes the annotated records about half of the training rows (1797 per epoch, 903 of them annotated
+copies); the tag-less three quarters otherwise teach the model that an answer rarely starts with a
+plan; ``data=records`` only).
 
 Both stages use a model with the tags in its vocabulary (``model.tags``; rows initialised to the
 mean embedding) and one example per row (``data.annotated``, no packing): PASTA rows carry the
@@ -48,6 +49,9 @@ def get_config(arg=None):
     raise config_lib.ConfigError(f"configs/pasta.py: data={a.data!r} must be one of {DATA}")
   if a.repeats < 1:
     raise config_lib.ConfigError(f"configs/pasta.py: repeats={a.repeats} must be >= 1")
+  if a.repeats != 3 and a.data != "records":
+    raise config_lib.ConfigError("configs/pasta.py: repeats applies to data=records (the built "
+                                 f"records mark which are annotated), not data={a.data!r}")
   if a.scale not in ("cpu", "accel"):
     raise config_lib.ConfigError(f"configs/pasta.py: scale={a.scale!r} must be 'cpu' or 'accel'")
   accel = a.scale == "accel"

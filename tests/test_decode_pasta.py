@@ -10,7 +10,8 @@ from tests.test_adapter import adapter, run  # noqa: F401 - fixtures: a tiny LoR
 from tests.test_train import ROOT, load_config
 
 FIELDS = ("id", "prompt", "raw", "text", "threads", "rounds", "forwards", "tokens",
-          "tokens_per_forward", "theoretical_speedup", "well_formed", "degraded", "pasta_wall_s",
+          "tokens_per_forward", "theoretical_speedup", "well_formed", "parsed", "finish_reason",
+          "degraded", "pasta_wall_s",
           "ar_wall_s", "wall_ratio", "ar_text", "ar_tokens")
 
 
@@ -38,7 +39,8 @@ def test_pasta_part_rows_equal_the_scheduler(adapter, tmp_path):  # noqa: F811
   b = s["pasta"]
   assert b["adapter"] == adapter and b["n"] == 2 and b["ids"] == ["alpaca_eval/3", "alpaca_eval/4"]
   assert b["threads"] == sum(r["threads"] for r in rows)
-  assert b["parse_rate"] == sum(r["well_formed"] for r in rows) / 2
+  assert b["parse_rate"] == sum(r["parsed"] for r in rows) / 2
+  assert b["parse_rate_strict"] == sum(r["well_formed"] for r in rows) / 2
   assert b["wall_ratio_ar_over_pasta"] > 0 and b["tokens_per_forward"] >= 1.0
   assert json.loads((tmp_path / "summary.json").read_text())["pasta"] == b
   assert not list(tmp_path.glob("*.partial"))
@@ -51,7 +53,7 @@ def test_pasta_part_rows_equal_the_scheduler(adapter, tmp_path):  # noqa: F811
     assert r["prompt"] == msgs[-1]["content"]
     ids = tok.encode_chat(msgs, add_generation_prompt=True)
     sched = pasta.generate(Engine(model, num_pages=32, page_size=16), [ids], tv, max_new_tokens=12,
-                           stop_ids=tok.stop_ids, cap=8)
+                           stop_ids=tok.stop_ids, cap=8, constrain_tags=True)
     assert r["text"] == tok.decode(sched.text_ids(0), skip_special_tokens=True)
     assert r["raw"] == tok.decode(sched.results[0].token_ids)  # tags written
     st = sched.stats[0]

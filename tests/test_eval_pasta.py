@@ -144,3 +144,31 @@ def test_parse_rate_counts_budget_truncation_apart():
   room = eval_pasta.run_pasta(engine, Tok(), tv, prompt, 40, 3, constrain_tags=True)
   assert room["threads"] == 2
   assert room["parsed"] == room["parsed_strict"] == (not room["degraded"])
+
+
+def test_final_text_of_a_cut_plan_keeps_each_chunk_alone():
+  """Threads cut by max_new_tokens: the final text is each chunk's tokens in promise order (no tag
+  ids, no promise topics, no later chunk read as text of an earlier one)."""
+  from selforch_jax.lang import Promise, Round, TagVocab, serialize
+  from selforch_jax.models.config import get_preset
+  from selforch_jax.models.transformer import init_model
+  from selforch_jax.runtime import pasta
+  from selforch_jax.runtime.engine import Engine
+
+  tv = TagVocab.appended(64, 0, eos_ids=[2], digit_ids=range(3, 13), space_ids=[13])
+  model = init_model(get_preset("tiny_llama", vocab_size=64 + 7), seed=1)
+  engine = Engine(model, num_pages=64, page_size=4)
+  prompt = serialize([20, 21, Round(plan=(Promise((30,), 1), Promise((31,), 1), Promise((32,), 1)),
+                                    sync=False)], tv) + [tv.async_open]
+  s = pasta.generate(engine, [prompt], tv, max_new_tokens=9, cap=3, constrain_tags=True)
+  res = s.results[0]
+  assert res.finish_reason == "length" and s.stats[0].threads == 3
+  chunks, cur = [], None
+  for t in res.token_ids:            # canonical order: chunk 0, chunk 1, chunk 2
+    if t == tv.async_open:
+      cur = []
+      chunks.append(cur)
+    elif not tv.is_tag(t):
+      cur.append(t)
+  assert len(chunks) == 3
+  assert s.text_ids(0) == [t for c in chunks for t in c]

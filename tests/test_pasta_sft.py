@@ -110,7 +110,8 @@ def test_config_sft_and_baseline_share_the_recipe():
   diff = {f"{s}.{k}" for s in a if isinstance(a[s], dict) for k in a[s] if a[s][k] != b[s][k]}
   assert diff == {"data.strip_tags"}
   assert sft.model.tags and sft.model.lora_rank == 8 and sft.train.train_embed_rows_from == 49152
-  assert (sft.data.seq_len, sft.data.batch_size, sft.train.steps) == (512, 4, 60)
+  assert (sft.data.seq_len, sft.data.batch_size, sft.train.steps) == (512, 4, 150)
+  assert sft.data.annotated_repeats == 3 and sft.optim.lr == 4e-4
   alp = load_pasta_config("sft,data=alpaca")
   assert alp.data.annotator == "pasta_rules" and load_pasta_config(
       "baseline,data=alpaca").data.annotator is None

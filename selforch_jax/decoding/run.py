@@ -192,8 +192,9 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
       output in canonical order: PLAN, each round's chunks in promise order, tags written),
       ``text`` (the final text in logical order, tags dropped), ``threads``, ``rounds``,
       ``forwards`` (engine steps on the critical path, prefill included), ``tokens`` (tags and
-      stop included), ``tokens_per_forward``, ``theoretical_speedup``, ``well_formed``,
-      ``degraded`` (the degradation rules applied), ``pasta_wall_s``, ``ar_wall_s`` (seconds),
+      stop included), ``tokens_per_forward``, ``theoretical_speedup``, ``well_formed``
+      (no degradation rule applied), ``parsed`` (none but the cut at ``max_new_tokens``),
+      ``finish_reason``, ``degraded`` (the degradation rules applied), ``pasta_wall_s``, ``ar_wall_s`` (seconds),
       ``wall_ratio`` (AR / PASTA), ``ar_text``, ``ar_tokens``.
 
   Returns:
@@ -235,7 +236,8 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
            "forwards": a["forwards"], "tokens": a["tokens"],
            "tokens_per_forward": round(a["tokens_per_forward"], 4),
            "theoretical_speedup": round(a["theoretical_speedup"], 4),
-           "well_formed": a["parsed"], "degraded": a["degraded"],
+           "well_formed": a["parsed_strict"], "parsed": a["parsed"],
+           "finish_reason": a["finish_reason"], "degraded": a["degraded"],
            "pasta_wall_s": round(a["wall_s"], 3), "ar_wall_s": round(b["wall_s"], 3),
            "wall_ratio": round(b["wall_s"] / a["wall_s"], 4), "ar_text": b["text"],
            "ar_tokens": b["tokens"]}
@@ -250,7 +252,8 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
       "theoretical_speedup": round(sum(r["theoretical_speedup"] for r in recs) / n, 4),
       "wall_ratio_ar_over_pasta": round(
           math.exp(sum(math.log(r["wall_ratio"]) for r in recs) / n), 4),
-      "parse_rate": round(sum(r["well_formed"] for r in recs) / n, 4),
+      "parse_rate": round(sum(r["parsed"] for r in recs) / n, 4),
+      "parse_rate_strict": round(sum(r["well_formed"] for r in recs) / n, 4),
       "load_s": round(load_s, 3), "warmup_s": round(warmup_s, 3),
       "wall_s": round(time.perf_counter() - t0, 3),
       "max_new_tokens": pc.max_new_tokens, "cap": pc.cap,

@@ -153,7 +153,7 @@ def tag_grammar(tv: TagVocab, in_thread: bool, in_promise: bool, promise_inner: 
     return [True, True, True, False, True, True, True] + [False] * K, False
   if in_promise:
     _, n = tv.split_length(promise_inner)
-    return [True, not n, True, True, True, True, True] + [True] * K, False
+    return [True, n is None, True, True, True, True, True] + [True] * K, False
   if after_promise:
     return [False, True, not round_open, True, True, True, True] + [True] * K, True
   return [False, True, not round_open, True, True, True, True] + [False] * K, False
@@ -226,6 +226,7 @@ class _Request:
     self.max_parallel = 0
     self.t0: float | None = None
     self.t1: float | None = None
+    self.forced_closes: list[int] = []   # positions in main of </async> the finish implied
     self.in_promise = False              # main thread: tag-grammar state (constrain_tags)
     self.promise_inner: list[int] = []
     self.last_main: int | None = None
@@ -553,6 +554,13 @@ class PASTAScheduler(Scheduler):
       inj.append(r.pending_injected[k])
     r.builder.finish()
     if r.threads:
+      # threads still open (cut by max_new_tokens): the builder closed them; mark where their
+      # </async> belongs in the canonical sequence so the final text assembles each chunk alone
+      pos = len(r.main)
+      for k in sorted(r.threads):
+        pos += len(r.threads[k])
+        if k in r.live and r.threads[k][-1:] != [self.tv.async_close]:
+          r.forced_closes.append(pos)
       r.flush_threads()
     r.live, r.pending = [], {}
     r.finish_reason = reason
@@ -580,8 +588,11 @@ class PASTAScheduler(Scheduler):
     head = r.prompt[r.prompt_plan_start:] if r.prompt_plan_start is not None else []
     if head and head[-1] == self.tv.async_open and r.main[:1] != [self.tv.async_open]:
       head = head[:-1]
-    cap = r.builder.cap
-    return assemble(head + r.main, self.tv, cap=cap, length_unit=r.builder.length_unit)
+    main = list(r.main)
+    for pos in reversed(r.forced_closes):
+      main.insert(pos, self.tv.async_close)
+    ids = assemble(head + main, self.tv, cap=r.builder.cap, length_unit=r.builder.length_unit)
+    return [t for t in ids if not self.tv.is_tag(t)]  # e.g. the <promise> of an abandoned one
 
   def text_ids(self, i: int) -> list[int]:
     """Final token ids of request ``i`` in logical order, tags stripped (a teacher-forced PLAN
