@@ -200,7 +200,8 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
   Returns:
     the summary block: ``adapter``, ``n``, ``ids``, ``threads`` (total forked),
     ``tokens_per_forward`` and ``theoretical_speedup`` (means), ``wall_ratio_ar_over_pasta``
-    (geometric mean), ``parse_rate`` (fraction well-formed), ``load_s``, ``warmup_s``,
+    (geometric mean), ``parse_rate`` (fraction parsed: no degradation rule but the cut at
+    ``max_new_tokens``), ``parse_rate_strict`` (fraction well-formed), ``load_s``, ``warmup_s``,
     ``wall_s`` (the timed runs), ``max_new_tokens``, ``cap``.
   """
   import math
