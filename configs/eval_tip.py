@@ -6,6 +6,10 @@ Run:
   python -m selforch_jax.eval --config=configs/eval_tip.py:n=10,max_new_tokens=128,datasets=gsm8k \
       --workdir=out/eval_tip_small        # base SmolLM2 with tag rows, before any training
   python -m selforch_jax.eval --config=configs/eval_tip.py:datasets=math500+aime --workdir=out/eval_tip_math
+  # models trained per dataset, in one run:
+  python -m selforch_jax.eval --config=configs/eval_tip.py:datasets=synthetic_chain \
+      --config.tip_for.synthetic_chain=out/tip_chain_sft \
+      --config.dense_for.synthetic_chain=out/tip_chain_dense_sft --workdir=out/eval_tip_chain
 
 Arguments: n (problems per dataset, the first n of each test file; default 300), max_new_tokens,
 batch_size, datasets (``+``-separated: gsm8k, synthetic_chain, math500, aime), budget (tip_mean,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from selforch_jax import config_lib
-from selforch_jax.eval.tip import defaults, run, summary, validate
+from selforch_jax.eval.tip import defaults, model_paths, run, summary, validate
 
 
 def _config():
@@ -77,4 +77,23 @@ def test_eval_tip_config_errors_name_the_key(key, value, match):
   c = _config()
   c.eval[key] = value
   with pytest.raises(config_lib.ConfigError, match=match):
+    validate(c)
+
+
+def test_per_dataset_models_override_tip_and_dense():
+  c = _config()
+  c.tip, c.dense = "out/t", "out/d"
+  c.tip_for.synthetic_chain = "out/t_chain"
+  assert model_paths(c, "gsm8k") == {"tip": "out/t", "dense": "out/d"}
+  assert model_paths(c, "synthetic_chain") == {"tip": "out/t_chain", "dense": "out/d"}
+  c.dense_for.synthetic_chain = "out/d_chain"
+  assert model_paths(c, "synthetic_chain") == {"tip": "out/t_chain", "dense": "out/d_chain"}
+  c.dense = ""  # no dense model: the TIP model of that dataset is the dense one
+  assert model_paths(c, "gsm8k") == {"tip": "out/t", "dense": "out/t"}
+
+
+def test_per_dataset_model_that_is_no_model_dir_is_named(tmp_path):
+  c = _config()
+  c.dense_for.gsm8k = str(tmp_path)
+  with pytest.raises(config_lib.ConfigError, match="dense_for.gsm8k"):
     validate(c)

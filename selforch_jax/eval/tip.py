@@ -26,9 +26,11 @@ the ``tip_gsm8k`` annotator for GSM8K): what eviction saves when the model write
 solution, measurable before any training. Per-problem records go to ``DIR/tip_<dataset>_<system>.jsonl`` and
 the plot of accuracy vs mean live KV to ``DIR/tip_accuracy_vs_live_kv.png``.
 
-Models: ``tip`` / ``dense`` are training workdirs (latest checkpoint, LoRA merged) or HF
-directories; empty = the base model of ``model`` (with tag rows when ``model.tags``), so the
-command runs before any training.
+Models: ``tip`` / ``dense`` are training workdirs (latest checkpoint, LoRA merged), adapter or
+HF directories; empty = the base model of ``model`` (with tag rows when ``model.tags``), so the
+command runs before any training. ``tip_for.<dataset>`` / ``dense_for.<dataset>`` override them
+for one dataset (e.g. models trained on GSM8K and on the synthetic task, in one run); each
+directory is loaded once.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def defaults() -> ml_collections.ConfigDict:
   selforch_jax.eval``).
 
   model: the base model (``config_lib.model_defaults``; ``tags`` on so TIP has register rows);
-  tip / dense: model directories (``""`` = the base model); eval: ``datasets``
+  tip / dense: model directories (``""`` = the base model); tip_for / dense_for: per-dataset
+  overrides (``tip_for.synthetic_chain=DIR``; ``""`` = use ``tip`` / ``dense``); eval: ``datasets``
   (comma-separated), ``n`` / ``offset`` (fixed subset), ``max_new_tokens``, ``batch_size``
   (requests decoded together), ``systems`` (comma-separated subset of
   ``tip,dense,streaming_llm,h2o,paged_h2o``), ``budget`` (``tip_mean``, ``tip_peak`` or an
@@ -62,10 +65,13 @@ def defaults() -> ml_collections.ConfigDict:
   ``system_prompt``, ``prompt_suffix``, ``teacher_forced`` (also teacher-force the reference
   solutions with register tags through TIP: :func:`teacher_forced_live_kv`).
   """
+  from selforch_jax.data.sources import DATASETS
   mc = config_lib.model_defaults()
   mc.tags = True
+  per_dataset = {d: "" for d, v in DATASETS.items() if "test" in v[1]}
   return ml_collections.ConfigDict(dict(
-      kind="tip", model=mc, tip="", dense="",
+      kind="tip", model=mc, tip="", dense="", tip_for=dict(per_dataset),
+      dense_for=dict(per_dataset),
       eval=dict(datasets="gsm8k,synthetic_chain", n=300, offset=0, max_new_tokens=256,
                 batch_size=8, systems=",".join(SYSTEMS), budget="tip_mean", n_sink=4,
                 recent_ratio=0.5, page_size=16, temperature=0.0, seed=0, n_boot=10000,
@@ -108,13 +114,47 @@ def validate(config: ml_collections.ConfigDict) -> None:
     p = config[key]
     if p and not is_model_dir(p):
       raise config_lib.ConfigError(f"{key}={p!r} is {MODEL_DIRS}")
+    for d, p in config[key + "_for"].items():
+      if p and not is_model_dir(p):
+        raise config_lib.ConfigError(f"{key}_for.{d}={p!r} is {MODEL_DIRS}")
 
 
-def _load(config, key: str):
+def model_paths(config: ml_collections.ConfigDict, dataset: str) -> dict[str, str]:
+  """The ``tip`` and ``dense`` model directories for ``dataset`` (``""`` = the base model):
+  ``tip_for.<dataset>`` / ``dense_for.<dataset>`` when set, else ``tip`` / ``dense``; an unset
+  dense model is the TIP model (the untrained-base comparison)."""
+  tip = config.tip_for.get(dataset) or config.tip
+  dense = config.dense_for.get(dataset) or config.dense or tip
+  return {"tip": tip, "dense": dense}
+
+
+def _load_models(config, paths: dict[str, str], cache: dict) -> dict:
+  """``{"tip": (model, tok, tv), "dense": ...}`` for ``paths`` (see :func:`model_paths`), each
+  directory loaded once into ``cache``.
+
+  Raises:
+    config_lib.ConfigError: a model without a tokenizer, or a TIP model without register tags.
+  """
   from selforch_jax.eval.run import load_finetuned
-  if config[key]:
-    return load_finetuned(config[key])
-  return config_lib.load_model(config.model)[1:]
+  from selforch_jax.lang.tags import TagVocab
+  models = {}
+  for key in ("tip", "dense"):
+    path = paths[key]
+    if path not in cache:
+      model, tok = load_finetuned(path) if path else config_lib.load_model(config.model)[1:]
+      if tok is None:
+        raise config_lib.ConfigError(f"the {key} model ({path or 'base'}) has no tokenizer")
+      try:
+        tv = TagVocab.from_tokenizer(tok)
+      except KeyError:
+        tv = None
+      cache[path] = (model, tok, tv)
+    if key == "tip" and cache[path][2] is None:
+      raise config_lib.ConfigError(
+          f"the TIP model ({path or 'base'}) has no register tags: set model.tags=True "
+          "or pass a TIP training workdir")
+    models[key] = cache[path]
+  return models
 
 
 def _prompts(rows, tok, ec) -> tuple[list[list[int]], list[str], list[str]]:
@@ -391,34 +431,19 @@ def plot(out: dict, path: str) -> None:
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Evaluate every system on every dataset; writes ``tip_eval.json``, JSONL and the plot."""
-  from selforch_jax.lang.tags import TagVocab
-
   validate(config)
   ec = config.eval
   os.makedirs(workdir, exist_ok=True)
   t_all = time.perf_counter()
-  models = {}
-  for key in ("tip", "dense"):
-    if key == "dense" and not config.dense:
-      models["dense"] = models["tip"]
-      continue
-    model, tok = _load(config, key)
-    if tok is None:
-      raise config_lib.ConfigError(f"the {key} model has no tokenizer")
-    try:
-      tv = TagVocab.from_tokenizer(tok)
-    except KeyError:
-      if key == "tip":
-        raise config_lib.ConfigError(
-            f"the TIP model ({config.tip or 'base'}) has no register tags: set model.tags=True "
-            "or pass a TIP training workdir") from None
-      tv = None
-    models[key] = (model, tok, tv)
+  cache: dict = {}
   out = {"config": config.to_dict(), "tip_source": config.tip or config.model.weights,
-         "dense_source": config.dense or config.tip or config.model.weights,
-         "model_config": dataclasses.asdict(models["tip"][0].cfg), "datasets": {}}
+         "dense_source": config.dense or config.tip or config.model.weights, "datasets": {}}
   for d in _list(ec.datasets):
+    paths = model_paths(config, d)
+    models = _load_models(config, paths, cache)
+    out.setdefault("model_config", dataclasses.asdict(models["tip"][0].cfg))
     out["datasets"][d] = evaluate_dataset(d, models, ec, workdir)
+    out["datasets"][d]["models"] = {k: v or config.model.weights for k, v in paths.items()}
   out["seconds"] = round(time.perf_counter() - t_all, 1)
   plot(out, os.path.join(workdir, "tip_accuracy_vs_live_kv.png"))
   with open(os.path.join(workdir, "tip_eval.json"), "w") as f:
