@@ -73,6 +73,10 @@ def test_missing_adapter_is_a_config_error_before_any_model_load(monkeypatch, tm
   c = _config(missing)
   c.pasta.adapter = ""  # off: the config of every other decode run
   decode_run.validate(c)
+  c = _config("adapters/pasta_smollm2_135m")
+  c.pasta.max_threads = 0
+  with pytest.raises(config_lib.ConfigError, match="pasta.max_threads"):
+    decode_run.validate(c)
 
 
 def test_demo_config_turns_pasta_on(monkeypatch):

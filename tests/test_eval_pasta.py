@@ -114,6 +114,10 @@ def test_pareto_plot_and_errors(tmp_path):
   c.systems = "pasta,sot"
   with pytest.raises(Exception, match="'ar' required"):
     eval_pasta.validate(c)
+  c = eval_pasta.defaults()
+  c.max_threads = 0
+  with pytest.raises(Exception, match="max_threads=0 must be >= 1"):
+    eval_pasta.validate(c)
 
 
 def test_parse_rate_counts_budget_truncation_apart():

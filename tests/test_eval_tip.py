@@ -44,6 +44,8 @@ def test_eval_tip_all_systems_matched_budgets(tmp_path):
     assert [x["output"] for x in recs["tip"]] == [x["output"] for x in recs["dense"]]
     assert r["tip_minus"]["dense"]["mean"] == 0.0
     assert r["live_kv_reduction_vs_dense"]["mean"] == pytest.approx(0.0)
+    assert r["live_kv_reduction_vs_dense"]["response_mean"] == pytest.approx(0.0)
+    assert all(x["prompt_tokens"] > 0 for x in recs["tip"])
     for s in ("streaming_llm", "h2o", "paged_h2o"):
       for t, x in zip(recs["tip"], recs[s]):
         # matched budget = ceil(TIP's mean live KV on the same problem)

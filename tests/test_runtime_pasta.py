@@ -299,3 +299,29 @@ def test_constrained_decoding_writes_only_well_formed_tags():
   # what remains is the budget: a thread at its cap, a promise or chunk open at max_new_tokens
   assert set(rules) <= {"chunk_cap", "unclosed_promise", "unclosed_chunk", "unmatched_promise"}, \
       rules
+
+
+def test_max_threads_caps_the_threads_of_a_request():
+  """With ``max_threads`` the tag grammar bans ``<promise>`` once a request has promised that
+  many threads (all rounds together): right after ``</promise>`` only ``<async>`` remains."""
+  after, only = pasta.tag_grammar(TV, False, False, [], True, True, threads_full=True)
+  assert only and [i for i, b in zip(pasta.grammar_ids(TV), after) if not b] == [TV.async_open]
+  main, _ = pasta.tag_grammar(TV, False, False, [], False, False, threads_full=True)
+  assert [i for i, b in zip(pasta.grammar_ids(TV), main) if not b] == list(TV.registers)
+  with pytest.raises(ValueError, match="max_threads"):
+    pasta.PASTAScheduler([[0]], STV, 4, max_threads=0)
+  model = init_model(get_preset("tiny_llama", vocab_size=SB + 7), seed=2)
+  engine = Engine(model, num_pages=256, page_size=4)
+  prompts = [[0, 1, 14, 15][: 1 + (i % 4)] for i in range(16)]
+  most = {}
+  for cap in (None, 2):
+    most[cap] = 0
+    for seed in range(2):
+      sched = pasta.generate(engine, prompts, STV, max_new_tokens=48, length_unit=1, cap=4,
+                             sampling=SamplingParams(temperature=4.0, seed=seed), stop_ids=[2],
+                             constrain_tags=True, max_threads=cap)
+      for i in range(len(prompts)):
+        most[cap] = max(most[cap], sched.stats[i].threads)
+        if cap is not None:
+          assert sched.stats[i].threads <= cap
+  assert most[None] > 2 and most[2] == 2   # the cap binds, and only where it applies

@@ -30,8 +30,9 @@ Figures per system, each with n and a bootstrap 95% CI (:mod:`selforch_jax.eval.
   still open when the answer reached ``max_new_tokens`` (an AR answer is cut there too);
   ``parse_rate_strict`` counts those as failures. With ``constrain_tags`` (the default) the
   runtime samples under the tag grammar (:func:`selforch_jax.runtime.pasta.tag_grammar`), so the
-  rules left are the budget ones (those, and a thread at its cap); SoT: the skeleton had numbered points;
-  APAR: at least one fork;
+  rules left are the budget ones (those, and a thread at its cap); an answer forks at most
+  ``max_threads`` threads (default 32; PASTA's pool has room for as many partial pages); SoT:
+  the skeleton had numbered points; APAR: at least one fork;
 * judge-free quality: ``nll`` — mean per-token negative log-likelihood (nats) of the de-tagged
   response under the baseline model given the chat prompt (one full forward), and its paired
   difference to AR's (``nll_minus_ar``; lower is better); ``length`` — response tokens;
@@ -73,7 +74,7 @@ def defaults() -> ml_collections.ConfigDict:
       model=config_lib.model_defaults(),
       pasta="", baseline="", pareto="",
       n=100, offset=0, max_new_tokens=256, systems="ar,pasta,sot,apar",
-      page_size=16, cap=256, constrain_tags=True,
+      page_size=16, cap=256, constrain_tags=True, max_threads=32,
       sot=dict(skeleton_tokens=64, point_tokens=64, max_points=6),
       apar=dict(child_tokens=64, max_forks=8),
       judge=dict(backend="", url="", model="", api_key_env="OPENAI_API_KEY"),
@@ -94,6 +95,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
                                  "(it is the reference of every speedup)")
   if config.n < 1 or config.max_new_tokens < 1 or config.offset < 0:
     raise config_lib.ConfigError("n and max_new_tokens must be >= 1, offset >= 0")
+  if config.max_threads < 1:
+    raise config_lib.ConfigError(f"max_threads={config.max_threads} must be >= 1 (the most "
+                                 "threads a PASTA answer may fork; its pool has room for them)")
   if config.forced.n < 0 or config.forced.promises < 1 or config.forced.length < 1:
     raise config_lib.ConfigError("forced.n >= 0, forced.promises >= 1, forced.length >= 1")
   if config.judge.backend not in ("", "none", "openai", "local"):
@@ -237,14 +241,16 @@ def run_ar(engine, tok, prompt, max_new) -> dict:
               parsed=True)
 
 
-def run_pasta(engine, tok, tv, prompt, max_new, cap, constrain_tags: bool = False) -> dict:
+def run_pasta(engine, tok, tv, prompt, max_new, cap, constrain_tags: bool = False,
+              max_threads: int | None = None) -> dict:
   """PASTA on one prompt (batch 1, greedy; ``constrain_tags``: under the tag grammar,
-  :func:`selforch_jax.runtime.pasta.tag_grammar`): ``text`` (final, logical order, tags
-  dropped), ``raw`` (the canonical tagged output, tags written), ids, wall seconds, stats."""
+  :func:`selforch_jax.runtime.pasta.tag_grammar`, with at most ``max_threads`` threads):
+  ``text`` (final, logical order, tags dropped), ``raw`` (the canonical tagged output, tags
+  written), ids, wall seconds, stats."""
   from selforch_jax.runtime import pasta
   t0 = time.perf_counter()
   s = pasta.generate(engine, [prompt], tv, max_new_tokens=max_new, stop_ids=tok.stop_ids, cap=cap,
-                     constrain_tags=constrain_tags)
+                     constrain_tags=constrain_tags, max_threads=max_threads)
   wall = time.perf_counter() - t0
   st = s.stats[0]
   ids = s.text_ids(0)
@@ -369,9 +375,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   sc, apc, fc = config.sot, config.apar, config.forced
   # each system runs on a pool sized to its own need (the CPU engine attends over every slot,
   # so a pool sized for SoT's parallel prompts would slow AR and PASTA alike): AR and PASTA get
-  # the same size (PASTA's spare pages: each of up to 32 threads ends in a partial page)
+  # the same size (PASTA's spare pages: each of up to max_threads threads ends in a partial page)
   ps = config.page_size
-  seq = P + ec.max_new_tokens + 64 + 32 * ps
+  seq = P + ec.max_new_tokens + 64 + config.max_threads * ps
   sizes = {"ar": seq, "pasta": seq, "apar": seq + apc.max_forks * (apc.child_tokens + ps),
            "sot": sc.max_points * (P + 256 + sc.skeleton_tokens + sc.point_tokens + 32) + 4 * ps,
            "forced": P + fc.promises * (20 * fc.length + 10) * 2 + 64 + 4 * ps}
@@ -397,7 +403,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         r = run_ar(engine_for("ar"), base_tok, pr, ec.max_new_tokens)
       elif s == "pasta":
         r = run_pasta(engine_for("pasta"), p_tok, p_tv, pp, ec.max_new_tokens, ec.cap,
-                      ec.constrain_tags)
+                      ec.constrain_tags, ec.max_threads)
       elif s == "sot":
         r = run_sot(engine_for("sot"), base_tok, q, sc)
       else:
@@ -433,7 +439,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     for i, pr in enumerate(prompts):
       r = run_pasta(e, t, tv, t.encode_chat(prompt_and_reference(rows[i])[0],
                                             add_generation_prompt=True), ec.max_new_tokens, ec.cap,
-                    ec.constrain_tags)
+                    ec.constrain_tags, ec.max_threads)
       resp = base_tok.encode(r["text"])
       r.update(nll=nll(pr, resp), length=len(resp), prompt_index=ec.offset + i, system=lab)
       rr.append(r)

@@ -133,7 +133,8 @@ def grammar_ids(tv: TagVocab) -> tuple[int, ...]:
 
 
 def tag_grammar(tv: TagVocab, in_thread: bool, in_promise: bool, promise_inner: Sequence[int],
-                after_promise: bool, round_open: bool) -> tuple[list[bool], bool]:
+                after_promise: bool, round_open: bool,
+                threads_full: bool = False) -> tuple[list[bool], bool]:
   """Which tags may come next (constrained decoding of PASTA's tag grammar, DESIGN.md §3).
 
   A thread writes text, register tags (TIP inside threads) or its ``</async>``; inside a promise
@@ -142,7 +143,9 @@ def tag_grammar(tv: TagVocab, in_thread: bool, in_promise: bool, promise_inner: 
   ``<promise>`` or forks with ``<async>`` (nothing else); elsewhere the main thread writes text
   or register tags, opens a promise, or forks when a round is open. ``<sync/>`` is always the
   runtime's; ``<|mask|>`` and ``[PAD]`` are never sampled. Text is restricted only right after
-  ``</promise>``.
+  ``</promise>``. ``threads_full`` (the request's forked threads plus the open round's promises
+  reached the scheduler's ``max_threads``): no ``<promise>`` may open, so right after
+  ``</promise>`` only ``<async>`` may follow.
 
   Returns:
     ``(ban, only_tags)``: ``ban`` one bool per id of :func:`grammar_ids`; ``only_tags`` True when
@@ -155,8 +158,8 @@ def tag_grammar(tv: TagVocab, in_thread: bool, in_promise: bool, promise_inner: 
     _, n = tv.split_length(promise_inner)
     return [True, n is None, True, True, True, True, True] + [True] * K, False
   if after_promise:
-    return [False, True, not round_open, True, True, True, True] + [True] * K, True
-  return [False, True, not round_open, True, True, True, True] + [False] * K, False
+    return [threads_full, True, not round_open, True, True, True, True] + [True] * K, True
+  return [threads_full, True, not round_open, True, True, True, True] + [False] * K, False
 
 
 @dataclasses.dataclass
@@ -198,6 +201,7 @@ class _Request:
     self.prompt = prompt
     self.builder = LayoutBuilder(tv, cap=cap, length_unit=length_unit)
     self.round_lengths: list[int] = []   # N of the promises of the open round
+    self.promised = 0                    # promises with a length so far, all rounds
     self.plan_start: int | None = None   # feed index of the open round's first <promise>
     self.prompt_plan_start: int | None = None
     self.main: list[int] = []            # canonical response tokens, main thread so far
@@ -245,6 +249,7 @@ class _Request:
         if e.promise == 0:
           self.plan_start = e.open_index + self.builder.document_offset
         self.round_lengths.append(int(e.length))
+        self.promised += 1
       elif isinstance(e, (Sync, EndOfText)) and (not isinstance(e, Sync) or e.round is not None):
         self.round_lengths = []
         self.plan_start = None
@@ -284,6 +289,10 @@ class PASTAScheduler(Scheduler):
       cannot be sampled inside a promise, right after one, or inside a thread); sampled
       log-probs are then those of the constrained distribution. Off by default (the training
       forward's log-probs and the parser's degradation paths are what the tests compare).
+    max_threads: with ``constrain_tags``, the most threads one request may fork over all its
+      rounds: once its forked threads plus the open round's promises reach it, ``<promise>``
+      is banned (right after a ``</promise>`` only ``<async>`` may follow), so a pool with
+      room for the tokens plus ``max_threads`` partial pages cannot run out (None: no cap).
 
   After :func:`~selforch_jax.runtime.scheduler.run`: :attr:`results` (one
   :class:`GenerationResult` per prompt; ``token_ids`` canonical, tags included, stop excluded;
@@ -292,18 +301,21 @@ class PASTAScheduler(Scheduler):
   stream-mode layout of prompt + response), :attr:`owners` (every owner used).
 
   Raises:
-    ValueError: empty batch or prompt, ``max_new_tokens < 1``.
+    ValueError: empty batch or prompt, ``max_new_tokens < 1``, ``max_threads < 1``.
   """
 
   def __init__(self, prompts: Sequence[Sequence[int]], tag_vocab: TagVocab, max_new_tokens: int,
                sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                cap: int | None = DEFAULT_CAP, length_unit: int = TOKENS_PER_UNIT,
                max_rounds: int | None = None, owner_base: int = 0, segment_base: int = 0,
-               constrain_tags: bool = False):
+               constrain_tags: bool = False, max_threads: int | None = None):
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("PASTAScheduler needs at least one prompt, none empty")
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if max_threads is not None and max_threads < 1:
+      raise ValueError(f"max_threads must be >= 1 or None, got {max_threads}")
+    self.max_threads = max_threads
     self.stops = frozenset(int(s) for s in stop_ids)
     # the training layout (data.annotated: build_layout with eos_ids=()) reads EOS as text; the
     # runtime never feeds a stop token (the main thread ends, a thread gets </async>)
@@ -514,8 +526,9 @@ class PASTAScheduler(Scheduler):
   def _grammar(self, r: _Request, stream: int) -> tuple[list[bool], bool]:
     in_thread = stream != MAIN
     after = not in_thread and r.last_main == self.tv.promise_close
+    full = self.max_threads is not None and r.promised >= self.max_threads
     ban, only = tag_grammar(self.tv, in_thread, r.in_promise, r.promise_inner, after,
-                            bool(r.round_lengths))
+                            bool(r.round_lengths), full)
     return ban + [in_thread or r.in_promise or after] * len(self.stops), only
 
   def _on_token(self, r: _Request, stream: int, tok: int, lp: float, from_index: int) -> None:
