@@ -32,6 +32,7 @@ def test_pasta_part_rows_equal_the_scheduler(adapter, tmp_path):  # noqa: F811
   from selforch_jax.runtime.engine import Engine
 
   c = _config(adapter)
+  assert (c.pasta.max_threads, c.pasta.max_topic_tokens) == (16, 12)  # as generate() below
   s = decode_run.run(c, str(tmp_path), prompt="Name three colors.")
   rows = [json.loads(l) for l in (tmp_path / "pasta.jsonl").read_text().splitlines()]
   assert [r["id"] for r in rows] == ["alpaca_eval/3", "alpaca_eval/4"]
@@ -53,7 +54,8 @@ def test_pasta_part_rows_equal_the_scheduler(adapter, tmp_path):  # noqa: F811
     assert r["prompt"] == msgs[-1]["content"]
     ids = tok.encode_chat(msgs, add_generation_prompt=True)
     sched = pasta.generate(Engine(model, num_pages=32, page_size=16), [ids], tv, max_new_tokens=12,
-                           stop_ids=tok.stop_ids, cap=8, constrain_tags=True)
+                           stop_ids=tok.stop_ids, cap=8, constrain_tags=True, max_threads=16,
+                           max_topic_tokens=12)
     assert r["text"] == tok.decode(sched.text_ids(0), skip_special_tokens=True)
     assert r["raw"] == tok.decode(sched.results[0].token_ids)  # tags written
     st = sched.stats[0]

@@ -325,3 +325,51 @@ def test_max_threads_caps_the_threads_of_a_request():
         if cap is not None:
           assert sched.stats[i].threads <= cap
   assert most[None] > 2 and most[2] == 2   # the cap binds, and only where it applies
+
+
+def _promises(ids, tv):
+  """The inner ids of every promise in ``ids`` (a promise open at the end included) and how it
+  ended (the closing tag, or None)."""
+  out, inner = [], None
+  for t in ids:
+    if t == tv.promise_open:
+      inner = []
+    elif inner is not None and tv.is_tag(t):
+      out.append((inner, t))
+      inner = None
+    elif inner is not None:
+      inner.append(t)
+  return out + ([(inner, None)] if inner is not None else [])
+
+
+def test_max_topic_tokens_makes_a_long_topic_write_its_length():
+  """Once a promise's topic has ``max_topic_tokens`` tokens, only its length (at most two
+  digits) and then ``</promise>`` may follow; without the limit the same model runs on."""
+  with pytest.raises(ValueError, match="max_topic_tokens"):
+    pasta.PASTAScheduler([[0]], STV, 4, max_topic_tokens=0)
+  assert pasta.constraint_ids(STV, [2], digits=True) == (*pasta.grammar_ids(STV), 2,
+                                                         *STV.digit_ids)
+  model = init_model(get_preset("tiny_llama", vocab_size=SB + 7), seed=2)
+  engine = Engine(model, num_pages=256, page_size=4)
+  prompts = [[0, 1, 14, 15][: 1 + (i % 4)] for i in range(16)]
+  M = 2
+  broken = {}
+  for limit in (None, M):
+    broken[limit] = checked = 0
+    for seed in range(3):
+      sched = pasta.generate(engine, prompts, STV, max_new_tokens=48, length_unit=1, cap=4,
+                             sampling=SamplingParams(temperature=4.0, seed=seed), stop_ids=[2],
+                             constrain_tags=True, max_topic_tokens=limit)
+      for res in sched.results:
+        for inner, end in _promises(res.token_ids, STV):
+          for k in range(len(inner) + (end is not None)):
+            topic, n = STV.split_length(inner[:k])
+            if len(topic) < M:
+              continue
+            checked += 1
+            nxt = inner[k] if k < len(inner) else end
+            digits = 0 if n is None else len(str(n))
+            ok = (nxt in STV.digit_ids and digits < 2) or (nxt == STV.promise_close and n is not None)
+            broken[limit] += not ok
+    assert checked > 0
+  assert broken[M] == 0 and broken[None] > 0, broken

@@ -34,7 +34,7 @@ def defaults() -> ml_collections.ConfigDict:
       sampling=dict(temperature=0.0, top_k=0, top_p=1.0, seed=0),
       # PASTA parallel decoding after the base part; adapter "" = off
       pasta=dict(adapter="", alpaca_eval=6, offset=0, max_new_tokens=256, cap=256,
-                 constrain_tags=True, max_threads=16),
+                 constrain_tags=True, max_threads=16, max_topic_tokens=12),
   ))
 
 
@@ -64,9 +64,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
       if not json.load(f)["model"].get("tags", False):
         raise config_lib.ConfigError(f"pasta.adapter={pc.adapter!r} was trained without the "
                                      "orchestration tags (model.tags=False): it cannot plan")
-    if min(pc.alpaca_eval, pc.max_new_tokens, pc.cap, pc.max_threads) < 1 or pc.offset < 0:
+    if (min(pc.alpaca_eval, pc.max_new_tokens, pc.cap, pc.max_threads) < 1
+        or min(pc.offset, pc.max_topic_tokens) < 0):
       raise config_lib.ConfigError("pasta.alpaca_eval, pasta.max_new_tokens, pasta.cap and "
-                                   "pasta.max_threads must be >= 1, pasta.offset >= 0")
+                                   "pasta.max_threads must be >= 1, pasta.offset and "
+                                   "pasta.max_topic_tokens >= 0")
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
@@ -208,8 +210,8 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
 
   from tqdm import tqdm
 
-  from selforch_jax.eval.pasta import (make_engine, pasta_constraint_ids, run_ar, run_pasta,
-                                       warm_up)
+  from selforch_jax.eval.pasta import (make_engine, pasta_constraint_ids, pasta_options, run_ar,
+                                       run_pasta, warm_up)
   from selforch_jax.eval.run import load_finetuned
   from selforch_jax.lang import TagVocab
 
@@ -222,16 +224,16 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
   # a thread's pages are its own: spare pages for the partial last page of each thread
   engine = make_engine(model, P + pc.max_new_tokens + 64 + pc.max_threads * ps, ps)
   t0 = time.perf_counter()
-  warm_up(engine, max(P, 64), pasta_constraint_ids(tv, tok) if pc.constrain_tags else None)
-  run_pasta(engine, tok, tv, prompts[0], 8, pc.cap, pc.constrain_tags, pc.max_threads)
+  opts = pasta_options(pc)
+  warm_up(engine, max(P, 64), pasta_constraint_ids(tv, tok, opts))
+  run_pasta(engine, tok, tv, prompts[0], 8, pc.cap, **opts)
   run_ar(engine, tok, prompts[0], 8)
   warmup_s = time.perf_counter() - t0
   recs = []
   t0 = time.perf_counter()
   with open(path, "w", encoding="utf-8") as f:
     for it, p in zip(tqdm(items, desc="pasta", unit="prompt", file=sys.stderr), prompts):
-      a = run_pasta(engine, tok, tv, p, pc.max_new_tokens, pc.cap, pc.constrain_tags,
-                    pc.max_threads)
+      a = run_pasta(engine, tok, tv, p, pc.max_new_tokens, pc.cap, **opts)
       b = run_ar(engine, tok, p, pc.max_new_tokens)
       r = {"id": it["id"], "prompt": it["messages"][-1]["content"], "raw": a["raw"],
            "text": a["text"], "threads": a["threads"], "rounds": a["rounds"],

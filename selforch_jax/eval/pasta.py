@@ -31,7 +31,9 @@ Figures per system, each with n and a bootstrap 95% CI (:mod:`selforch_jax.eval.
   ``parse_rate_strict`` counts those as failures. With ``constrain_tags`` (the default) the
   runtime samples under the tag grammar (:func:`selforch_jax.runtime.pasta.tag_grammar`), so the
   rules left are the budget ones (those, and a thread at its cap); an answer forks at most
-  ``max_threads`` threads (default 32; PASTA's pool has room for as many partial pages); SoT:
+  ``max_threads`` threads (default 32; PASTA's pool has room for as many partial pages), and a
+  promise topic of ``max_topic_tokens`` tokens (default 12; 0 = no limit) must go on with its
+  length; SoT:
   the skeleton had numbered points; APAR: at least one fork;
 * judge-free quality: ``nll`` — mean per-token negative log-likelihood (nats) of the de-tagged
   response under the baseline model given the chat prompt (one full forward), and its paired
@@ -74,7 +76,7 @@ def defaults() -> ml_collections.ConfigDict:
       model=config_lib.model_defaults(),
       pasta="", baseline="", pareto="",
       n=100, offset=0, max_new_tokens=256, systems="ar,pasta,sot,apar",
-      page_size=16, cap=256, constrain_tags=True, max_threads=32,
+      page_size=16, cap=256, constrain_tags=True, max_threads=32, max_topic_tokens=12,
       sot=dict(skeleton_tokens=64, point_tokens=64, max_points=6),
       apar=dict(child_tokens=64, max_forks=8),
       judge=dict(backend="", url="", model="", api_key_env="OPENAI_API_KEY"),
@@ -95,9 +97,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
                                  "(it is the reference of every speedup)")
   if config.n < 1 or config.max_new_tokens < 1 or config.offset < 0:
     raise config_lib.ConfigError("n and max_new_tokens must be >= 1, offset >= 0")
-  if config.max_threads < 1:
-    raise config_lib.ConfigError(f"max_threads={config.max_threads} must be >= 1 (the most "
-                                 "threads a PASTA answer may fork; its pool has room for them)")
+  if config.max_threads < 1 or config.max_topic_tokens < 0:
+    raise config_lib.ConfigError(
+        f"max_threads={config.max_threads} must be >= 1 (the most threads a PASTA answer may "
+        f"fork; its pool has room for them), max_topic_tokens={config.max_topic_tokens} >= 0")
   if config.forced.n < 0 or config.forced.promises < 1 or config.forced.length < 1:
     raise config_lib.ConfigError("forced.n >= 0, forced.promises >= 1, forced.length >= 1")
   if config.judge.backend not in ("", "none", "openai", "local"):
@@ -164,10 +167,23 @@ def warm_up(engine, max_T: int, constraint_ids=None) -> None:
   engine.num_steps = engine.num_query_tokens = 0
 
 
-def pasta_constraint_ids(tv, tok) -> tuple[int, ...]:
-  """The ids the PASTA scheduler constrains with ``constrain_tags`` (for :func:`warm_up`)."""
-  from selforch_jax.runtime.pasta import grammar_ids
-  return (*grammar_ids(tv), *sorted(int(i) for i in tok.stop_ids))
+def pasta_options(c) -> dict:
+  """:class:`~selforch_jax.runtime.pasta.PASTAScheduler` options from a config (the eval's, or
+  ``make demo``'s ``pasta`` section): ``constrain_tags``, ``max_threads`` and
+  ``max_topic_tokens`` (config 0 = no limit), the last two only under the tag grammar."""
+  if not c.constrain_tags:
+    return {"constrain_tags": False}
+  return {"constrain_tags": True, "max_threads": int(c.max_threads),
+          "max_topic_tokens": int(c.max_topic_tokens) or None}
+
+
+def pasta_constraint_ids(tv, tok, options: dict) -> tuple[int, ...] | None:
+  """The ids the PASTA scheduler constrains under ``options`` (:func:`pasta_options`; None
+  without ``constrain_tags``), for :func:`warm_up`."""
+  from selforch_jax.runtime.pasta import constraint_ids
+  if not options.get("constrain_tags"):
+    return None
+  return constraint_ids(tv, tok.stop_ids, digits=options.get("max_topic_tokens") is not None)
 
 
 class _NLL:
@@ -241,16 +257,15 @@ def run_ar(engine, tok, prompt, max_new) -> dict:
               parsed=True)
 
 
-def run_pasta(engine, tok, tv, prompt, max_new, cap, constrain_tags: bool = False,
-              max_threads: int | None = None) -> dict:
-  """PASTA on one prompt (batch 1, greedy; ``constrain_tags``: under the tag grammar,
-  :func:`selforch_jax.runtime.pasta.tag_grammar`, with at most ``max_threads`` threads):
-  ``text`` (final, logical order, tags dropped), ``raw`` (the canonical tagged output, tags
-  written), ids, wall seconds, stats."""
+def run_pasta(engine, tok, tv, prompt, max_new, cap, **options) -> dict:
+  """PASTA on one prompt (batch 1, greedy; ``options``: :class:`~selforch_jax.runtime.pasta.
+  PASTAScheduler` options, e.g. ``constrain_tags`` for the tag grammar,
+  :func:`selforch_jax.runtime.pasta.tag_grammar`): ``text`` (final, logical order, tags
+  dropped), ``raw`` (the canonical tagged output, tags written), ids, wall seconds, stats."""
   from selforch_jax.runtime import pasta
   t0 = time.perf_counter()
   s = pasta.generate(engine, [prompt], tv, max_new_tokens=max_new, stop_ids=tok.stop_ids, cap=cap,
-                     constrain_tags=constrain_tags, max_threads=max_threads)
+                     **options)
   wall = time.perf_counter() - t0
   st = s.stats[0]
   ids = s.text_ids(0)
@@ -378,6 +393,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # the same size (PASTA's spare pages: each of up to max_threads threads ends in a partial page)
   ps = config.page_size
   seq = P + ec.max_new_tokens + 64 + config.max_threads * ps
+  opts = pasta_options(ec)
   sizes = {"ar": seq, "pasta": seq, "apar": seq + apc.max_forks * (apc.child_tokens + ps),
            "sot": sc.max_points * (P + 256 + sc.skeleton_tokens + sc.point_tokens + 32) + 4 * ps,
            "forced": P + fc.promises * (20 * fc.length + 10) * 2 + 64 + 4 * ps}
@@ -390,7 +406,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       engines[key] = make_engine(model, sizes[system], ps)
       if config.warmup:
         warm_up(engines[key], max(P, 256 + P, 2 * sc.max_points + 8),
-                pasta_constraint_ids(p_tv, p_tok) if ec.constrain_tags else None)
+                pasta_constraint_ids(p_tv, p_tok, opts))
     return engines[key]
 
   for s in systems:
@@ -403,7 +419,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         r = run_ar(engine_for("ar"), base_tok, pr, ec.max_new_tokens)
       elif s == "pasta":
         r = run_pasta(engine_for("pasta"), p_tok, p_tv, pp, ec.max_new_tokens, ec.cap,
-                      ec.constrain_tags, ec.max_threads)
+                      **opts)
       elif s == "sot":
         r = run_sot(engine_for("sot"), base_tok, q, sc)
       else:
@@ -434,12 +450,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     e = make_engine(m, sizes["pasta"], ps)
     if config.warmup:
       warm_up(e, max(P, 2 * sc.max_points + 8),
-              pasta_constraint_ids(tv, t) if ec.constrain_tags else None)
+              pasta_constraint_ids(tv, t, opts))
     rr = []
     for i, pr in enumerate(prompts):
       r = run_pasta(e, t, tv, t.encode_chat(prompt_and_reference(rows[i])[0],
                                             add_generation_prompt=True), ec.max_new_tokens, ec.cap,
-                    ec.constrain_tags, ec.max_threads)
+                    **opts)
       resp = base_tok.encode(r["text"])
       r.update(nll=nll(pr, resp), length=len(resp), prompt_index=ec.offset + i, system=lab)
       rr.append(r)

@@ -74,8 +74,8 @@ from selforch_jax.lang.tags import TOKENS_PER_UNIT
 from selforch_jax.runtime.engine import Engine, bucket_size
 from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run
 
-__all__ = ["PASTAScheduler", "PastaStats", "sample_rows", "grammar_ids", "tag_grammar",
-           "generate"]
+__all__ = ["PASTAScheduler", "PastaStats", "sample_rows", "grammar_ids", "constraint_ids",
+           "tag_grammar", "generate"]
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
@@ -125,6 +125,16 @@ def sample_rows(logits: jax.Array, rows: Sequence[int], key: jax.Array, step: in
   return np.asarray(tok[:R]), np.asarray(lp[:R])
 
 
+def constraint_ids(tv: TagVocab, stop_ids: Sequence[int] = (),
+                   digits: bool = False) -> tuple[int, ...]:
+  """The ids :class:`PASTAScheduler` constrains with ``constrain_tags``, in order:
+  :func:`grammar_ids`, the sorted ``stop_ids``, then (``digits``, the scheduler's
+  ``max_topic_tokens`` set) ``tv.digit_ids``. Shapes compiled for sampling depend on its length.
+  """
+  return (*grammar_ids(tv), *sorted({int(i) for i in stop_ids}),
+          *(tv.digit_ids if digits else ()))
+
+
 def grammar_ids(tv: TagVocab) -> tuple[int, ...]:
   """The ids :func:`tag_grammar` rules on, in its order: ``<promise>``, ``</promise>``,
   ``<async>``, ``</async>``, ``<sync/>``, ``<|mask|>``, ``[PAD]``, then ``<reg_0..K-1>``."""
@@ -133,8 +143,8 @@ def grammar_ids(tv: TagVocab) -> tuple[int, ...]:
 
 
 def tag_grammar(tv: TagVocab, in_thread: bool, in_promise: bool, promise_inner: Sequence[int],
-                after_promise: bool, round_open: bool,
-                threads_full: bool = False) -> tuple[list[bool], bool]:
+                after_promise: bool, round_open: bool, threads_full: bool = False,
+                long_topic: bool = False) -> tuple[list[bool], bool]:
   """Which tags may come next (constrained decoding of PASTA's tag grammar, DESIGN.md §3).
 
   A thread writes text, register tags (TIP inside threads) or its ``</async>``; inside a promise
@@ -145,7 +155,9 @@ def tag_grammar(tv: TagVocab, in_thread: bool, in_promise: bool, promise_inner: 
   runtime's; ``<|mask|>`` and ``[PAD]`` are never sampled. Text is restricted only right after
   ``</promise>``. ``threads_full`` (the request's forked threads plus the open round's promises
   reached the scheduler's ``max_threads``): no ``<promise>`` may open, so right after
-  ``</promise>`` only ``<async>`` may follow.
+  ``</promise>`` only ``<async>`` may follow. ``long_topic`` (a promise's topic reached the
+  scheduler's ``max_topic_tokens``): only the constrained ids not banned may follow (the
+  scheduler adds the digits there, so the promise must write its length and close).
 
   Returns:
     ``(ban, only_tags)``: ``ban`` one bool per id of :func:`grammar_ids`; ``only_tags`` True when
@@ -156,7 +168,7 @@ def tag_grammar(tv: TagVocab, in_thread: bool, in_promise: bool, promise_inner: 
     return [True, True, True, False, True, True, True] + [False] * K, False
   if in_promise:
     _, n = tv.split_length(promise_inner)
-    return [True, n is None, True, True, True, True, True] + [True] * K, False
+    return [True, n is None, True, True, True, True, True] + [True] * K, long_topic
   if after_promise:
     return [threads_full, True, not round_open, True, True, True, True] + [True] * K, True
   return [threads_full, True, not round_open, True, True, True, True] + [False] * K, False
@@ -289,6 +301,9 @@ class PASTAScheduler(Scheduler):
       cannot be sampled inside a promise, right after one, or inside a thread); sampled
       log-probs are then those of the constrained distribution. Off by default (the training
       forward's log-probs and the parser's degradation paths are what the tests compare).
+    max_topic_tokens: with ``constrain_tags``, the most tokens a promise may hold without a
+      length: then only digits may follow (at most two), then ``</promise>`` (None: no limit;
+      needs ``tag_vocab.digit_ids``).
     max_threads: with ``constrain_tags``, the most threads one request may fork over all its
       rounds: once its forked threads plus the open round's promises reach it, ``<promise>``
       is banned (right after a ``</promise>`` only ``<async>`` may follow), so a pool with
@@ -301,14 +316,16 @@ class PASTAScheduler(Scheduler):
   stream-mode layout of prompt + response), :attr:`owners` (every owner used).
 
   Raises:
-    ValueError: empty batch or prompt, ``max_new_tokens < 1``, ``max_threads < 1``.
+    ValueError: empty batch or prompt, ``max_new_tokens < 1``, ``max_threads < 1``,
+      ``max_topic_tokens < 1`` or without digit ids.
   """
 
   def __init__(self, prompts: Sequence[Sequence[int]], tag_vocab: TagVocab, max_new_tokens: int,
                sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                cap: int | None = DEFAULT_CAP, length_unit: int = TOKENS_PER_UNIT,
                max_rounds: int | None = None, owner_base: int = 0, segment_base: int = 0,
-               constrain_tags: bool = False, max_threads: int | None = None):
+               constrain_tags: bool = False, max_threads: int | None = None,
+               max_topic_tokens: int | None = None):
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("PASTAScheduler needs at least one prompt, none empty")
     if max_new_tokens < 1:
@@ -316,6 +333,10 @@ class PASTAScheduler(Scheduler):
     if max_threads is not None and max_threads < 1:
       raise ValueError(f"max_threads must be >= 1 or None, got {max_threads}")
     self.max_threads = max_threads
+    if max_topic_tokens is not None and (max_topic_tokens < 1 or not tag_vocab.digit_ids):
+      raise ValueError(f"max_topic_tokens={max_topic_tokens} must be >= 1 and the tag vocab "
+                       "needs digit_ids")
+    self.max_topic = max_topic_tokens
     self.stops = frozenset(int(s) for s in stop_ids)
     # the training layout (data.annotated: build_layout with eos_ids=()) reads EOS as text; the
     # runtime never feeds a stop token (the main thread ends, a thread gets </async>)
@@ -325,8 +346,9 @@ class PASTAScheduler(Scheduler):
     self.sampling = sampling
     self.constrain_tags = bool(constrain_tags)
     tv = self.tv
-    # the tag grammar's ids, then the stop ids (banned inside a promise and inside a thread)
-    self._grammar_ids = (*grammar_ids(tv), *sorted(self.stops))
+    # the tag grammar's ids, the stop ids (banned inside a promise and inside a thread), then
+    # the digits (the only text after a promise topic of max_topic_tokens)
+    self._grammar_ids = constraint_ids(tv, self.stops, digits=max_topic_tokens is not None)
     self.key = jax.random.PRNGKey(sampling.seed)
     self.reqs = [_Request(list(map(int, p)), self.tv, cap, length_unit) for p in prompts]
     self._next_owner = int(owner_base)
@@ -527,9 +549,18 @@ class PASTAScheduler(Scheduler):
     in_thread = stream != MAIN
     after = not in_thread and r.last_main == self.tv.promise_close
     full = self.max_threads is not None and r.promised >= self.max_threads
+    long_topic = False
+    n_digits = 0
+    if self.max_topic is not None and r.in_promise and not in_thread:
+      topic, n = self.tv.split_length(r.promise_inner)
+      long_topic = len(topic) >= self.max_topic
+      n_digits = 0 if n is None else len(str(n))
     ban, only = tag_grammar(self.tv, in_thread, r.in_promise, r.promise_inner, after,
-                            bool(r.round_lengths), full)
-    return ban + [in_thread or r.in_promise or after] * len(self.stops), only
+                            bool(r.round_lengths), full, long_topic)
+    ban += [in_thread or r.in_promise or after] * len(self.stops)
+    if self.max_topic is not None:  # digits: text, except a long topic's length has two
+      ban += [long_topic and n_digits >= 2] * len(self.tv.digit_ids)
+    return ban, only
 
   def _on_token(self, r: _Request, stream: int, tok: int, lp: float, from_index: int) -> None:
     r.sampled += 1
