@@ -49,7 +49,7 @@ def get_config(arg=None):
   b.init_from = a.init_from or None
   b.scheduler = a.scheduler
   if a.scheduler == "pasta":  # rollouts under the tag grammar (the IPO/SFT terms re-score them)
-    b.scheduler_kwargs = {"constrain_tags": True, "max_threads": 16}
+    b.scheduler_kwargs = {"constrain_tags": True, "max_threads": 16, "max_topic_tokens": 12}
   b.layout_mask = True
   b.score = "pasta"
   b.quality = "ref_nll"

@@ -42,6 +42,7 @@ def test_eval_tip_all_systems_matched_budgets(tmp_path):
       assert m["decode_s"] > 0 and m["new_tokens"] == sum(x["new_tokens"] for x in recs[s])
     # the untrained model writes no register tags: TIP decodes exactly like dense (same model)
     assert [x["output"] for x in recs["tip"]] == [x["output"] for x in recs["dense"]]
+    assert all(x["raw"] == x["output"] for x in recs["tip"])  # no register tag was written
     assert r["tip_minus"]["dense"]["mean"] == 0.0
     assert r["live_kv_reduction_vs_dense"]["mean"] == pytest.approx(0.0)
     assert r["live_kv_reduction_vs_dense"]["response_mean"] == pytest.approx(0.0)

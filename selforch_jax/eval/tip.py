@@ -367,6 +367,7 @@ def evaluate_dataset(dataset: str, models: dict, ec, workdir: str) -> dict:
       ids = assemble(r.token_ids, tv) if tv is not None else r.token_ids
       text = tok.decode(ids, skip_special_tokens=True)
       recs.append({"question": questions[j], "reference": refs[j], "output": text,
+                   "raw": tok.decode(r.token_ids),  # register tags written
                    "extracted": extract_answer(text), "correct": bool(is_correct(text, refs[j])),
                    "finish_reason": r.finish_reason, "new_tokens": len(r.token_ids),
                    "prompt_tokens": len(prompts[j]),
