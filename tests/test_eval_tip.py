@@ -100,3 +100,29 @@ def test_per_dataset_model_that_is_no_model_dir_is_named(tmp_path):
   c.dense_for.gsm8k = str(tmp_path)
   with pytest.raises(config_lib.ConfigError, match="dense_for.gsm8k"):
     validate(c)
+
+
+def test_models_are_loaded_once_and_checked_before_any_dataset_runs(tmp_path, monkeypatch):
+  from selforch_jax.eval import run as eval_run
+  from selforch_jax.eval import tip as eval_tip
+  c = _config()
+  plain_cfg = _config().model
+  plain_cfg.tags = False
+  plain = config_lib.load_model(plain_cfg)[1:]   # a model without register tags
+  loads, ran = [], []
+  monkeypatch.setattr(eval_run, "is_model_dir", lambda p: True)
+  monkeypatch.setattr(eval_run, "load_finetuned", lambda p: loads.append(p) or plain)
+  monkeypatch.setattr(eval_tip, "evaluate_dataset",
+                      lambda d, models, ec, wd: ran.append((d, models)) or {})
+  monkeypatch.setattr(eval_tip, "plot", lambda out, path: None)
+  # the dense model of both datasets, spelled two ways: loaded once, tags not needed
+  c.dense_for.gsm8k, c.dense_for.synthetic_chain = "out/d", "out/d/"
+  eval_tip.run(c, str(tmp_path / "a"))
+  assert loads == ["out/d"] and [d for d, _ in ran] == ["gsm8k", "synthetic_chain"]
+  assert all(m["dense"][0] is plain[0] and m["tip"][2] is not None for _, m in ran)
+  # a TIP model without register tags for the second dataset fails before the first runs
+  ran.clear()
+  c.tip_for.synthetic_chain = "out/t"
+  with pytest.raises(config_lib.ConfigError, match=r"TIP model \(out/t\) has no register tags"):
+    eval_tip.run(c, str(tmp_path / "b"))
+  assert ran == []

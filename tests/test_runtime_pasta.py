@@ -306,6 +306,9 @@ def test_max_threads_caps_the_threads_of_a_request():
   many threads (all rounds together): right after ``</promise>`` only ``<async>`` remains."""
   after, only = pasta.tag_grammar(TV, False, False, [], True, True, threads_full=True)
   assert only and [i for i, b in zip(pasta.grammar_ids(TV), after) if not b] == [TV.async_open]
+  # no round open after a (prompt's) promise without a length: <promise> stays allowed
+  stuck, _ = pasta.tag_grammar(TV, False, False, [], True, False, threads_full=True)
+  assert [i for i, b in zip(pasta.grammar_ids(TV), stuck) if not b] == [TV.promise_open]
   main, _ = pasta.tag_grammar(TV, False, False, [], False, False, threads_full=True)
   assert [i for i, b in zip(pasta.grammar_ids(TV), main) if not b] == list(TV.registers)
   with pytest.raises(ValueError, match="max_threads"):
@@ -343,33 +346,47 @@ def _promises(ids, tv):
 
 
 def test_max_topic_tokens_makes_a_long_topic_write_its_length():
-  """Once a promise's topic has ``max_topic_tokens`` tokens, only its length (at most two
-  digits) and then ``</promise>`` may follow; without the limit the same model runs on."""
+  """Once a promise without a length holds ``max_topic_tokens`` tokens, it must go on with a
+  space, one or two digits and ``</promise>``; right after ``</promise>`` comes ``<promise>`` or
+  ``<async>`` (never a digit); without the limit the same model runs on."""
   with pytest.raises(ValueError, match="max_topic_tokens"):
     pasta.PASTAScheduler([[0]], STV, 4, max_topic_tokens=0)
   assert pasta.constraint_ids(STV, [2], digits=True) == (*pasta.grammar_ids(STV), 2,
-                                                         *STV.digit_ids)
+                                                         *STV.digit_ids, 13)
   model = init_model(get_preset("tiny_llama", vocab_size=SB + 7), seed=2)
   engine = Engine(model, num_pages=256, page_size=4)
   prompts = [[0, 1, 14, 15][: 1 + (i % 4)] for i in range(16)]
   M = 2
-  broken = {}
+  digits = set(STV.digit_ids)
+  broken, onsets, closed = {}, {}, 0
   for limit in (None, M):
-    broken[limit] = checked = 0
+    broken[limit] = onsets[limit] = 0
     for seed in range(3):
       sched = pasta.generate(engine, prompts, STV, max_new_tokens=48, length_unit=1, cap=4,
                              sampling=SamplingParams(temperature=4.0, seed=seed), stop_ids=[2],
                              constrain_tags=True, max_topic_tokens=limit)
       for res in sched.results:
-        for inner, end in _promises(res.token_ids, STV):
-          for k in range(len(inner) + (end is not None)):
-            topic, n = STV.split_length(inner[:k])
-            if len(topic) < M:
-              continue
-            checked += 1
-            nxt = inner[k] if k < len(inner) else end
-            digits = 0 if n is None else len(str(n))
-            ok = (nxt in STV.digit_ids and digits < 2) or (nxt == STV.promise_close and n is not None)
-            broken[limit] += not ok
-    assert checked > 0
-  assert broken[M] == 0 and broken[None] > 0, broken
+        ids = res.token_ids
+        for a, b in zip(ids, ids[1:]):   # after </promise>: only <promise> or <async>
+          assert a != STV.promise_close or b in (STV.promise_open, STV.async_open)
+        for inner, end in _promises(ids, STV):
+          onset = next((k for k in range(M, len(inner) + 1)
+                        if STV.split_length(inner[:k])[1] is None), None)
+          if onset is None:
+            continue
+          onsets[limit] += 1
+          tail = inner[onset:] + ([end] if end is not None else [])
+          want = [13, "d", "d|close", "close"]   # space, digit, digit or </promise>, </promise>
+          ok = len(tail) <= 4
+          for t, w in zip(tail, want):
+            ok &= ((t == 13) if w == 13 else (t in digits) if w == "d" else
+                   (t in digits or t == STV.promise_close) if w == "d|close" else
+                   t == STV.promise_close)
+            if t == STV.promise_close:
+              break
+          if limit is not None and end == STV.promise_close:
+            closed += 1
+            assert STV.split_length(inner)[1] is not None   # it has its length
+          broken[limit] += not ok
+  assert onsets[M] > 0 and broken[M] == 0 and closed > 0, (onsets, broken, closed)
+  assert broken[None] > 0, broken   # the unconstrained topic runs on

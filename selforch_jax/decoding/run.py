@@ -222,7 +222,8 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
   prompts = [tok.encode_chat(it["messages"], add_generation_prompt=True) for it in items]
   P, ps = max(len(p) for p in prompts), 16
   # a thread's pages are its own: spare pages for the partial last page of each thread
-  engine = make_engine(model, P + pc.max_new_tokens + 64 + pc.max_threads * ps, ps)
+  threads = pc.max_threads if pc.constrain_tags else 16  # the grammar caps them
+  engine = make_engine(model, P + pc.max_new_tokens + 64 + threads * ps, ps)
   t0 = time.perf_counter()
   opts = pasta_options(pc)
   warm_up(engine, max(P, 64), pasta_constraint_ids(tv, tok, opts))

@@ -392,7 +392,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # so a pool sized for SoT's parallel prompts would slow AR and PASTA alike): AR and PASTA get
   # the same size (PASTA's spare pages: each of up to max_threads threads ends in a partial page)
   ps = config.page_size
-  seq = P + ec.max_new_tokens + 64 + config.max_threads * ps
+  # (without the tag grammar nothing caps the threads: room for 32)
+  seq = P + ec.max_new_tokens + 64 + (config.max_threads if ec.constrain_tags else 32) * ps
   opts = pasta_options(ec)
   sizes = {"ar": seq, "pasta": seq, "apar": seq + apc.max_forks * (apc.child_tokens + ps),
            "sot": sc.max_points * (P + 256 + sc.skeleton_tokens + sc.point_tokens + 32) + 4 * ps,

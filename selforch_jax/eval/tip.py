@@ -139,7 +139,7 @@ def _load_models(config, paths: dict[str, str], cache: dict) -> dict:
   from selforch_jax.lang.tags import TagVocab
   models = {}
   for key in ("tip", "dense"):
-    path = paths[key]
+    path = os.path.normpath(paths[key]) if paths[key] else ""
     if path not in cache:
       model, tok = load_finetuned(path) if path else config_lib.load_model(config.model)[1:]
       if tok is None:
@@ -391,6 +391,7 @@ def evaluate_dataset(dataset: str, models: dict, ec, workdir: str) -> dict:
         "live_kv_mean_bytes": float(np.mean([x["mean_live_bytes"] for x in recs])),
         "live_kv_peak_bytes": float(np.mean([x["peak_live_bytes"] for x in recs])),
         "resident_kv_mean_tokens": float(np.mean([x["mean_resident_tokens"] for x in recs])),
+        "prompt_mean_tokens": float(np.mean([x["prompt_tokens"] for x in recs])),
         "budget_mean_tokens": None if budgets is None else float(np.mean(budgets)),
         "decode_s": round(res["decode_s"], 2), "new_tokens": new,
         "tokens_per_s": round(new / res["decode_s"], 2) if res["decode_s"] else 0.0,
@@ -404,12 +405,11 @@ def evaluate_dataset(dataset: str, models: dict, ec, workdir: str) -> dict:
     if "dense" in correct:
       t, d = out["systems"]["tip"], out["systems"]["dense"]
       # over the response only: both keep the whole prompt, so subtract its length
-      prompt_mean = float(np.mean([len(p) for p in prompts]))
       out["live_kv_reduction_vs_dense"] = {
           "mean": 1.0 - t["live_kv_mean_tokens"] / d["live_kv_mean_tokens"],
           "peak": 1.0 - t["live_kv_peak_tokens"] / d["live_kv_peak_tokens"],
-          "response_mean": 1.0 - (t["live_kv_mean_tokens"] - prompt_mean)
-                           / max(d["live_kv_mean_tokens"] - prompt_mean, 1e-9)}
+          "response_mean": 1.0 - (t["live_kv_mean_tokens"] - t["prompt_mean_tokens"])
+                           / max(d["live_kv_mean_tokens"] - d["prompt_mean_tokens"], 1e-9)}
   return out
 
 
@@ -444,10 +444,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   cache: dict = {}
   out = {"config": config.to_dict(), "tip_source": config.tip or config.model.weights,
          "dense_source": config.dense or config.tip or config.model.weights, "datasets": {}}
+  # every model loaded (and checked) before any dataset runs
+  runs = []
   for d in _list(ec.datasets):
     paths = model_paths(config, d)
-    models = _load_models(config, paths, cache)
-    out.setdefault("model_config", dataclasses.asdict(models["tip"][0].cfg))
+    runs.append((d, paths, _load_models(config, paths, cache)))
+  out["model_config"] = dataclasses.asdict(runs[0][2]["tip"][0].cfg)
+  for d, paths, models in runs:
     out["datasets"][d] = evaluate_dataset(d, models, ec, workdir)
     out["datasets"][d]["models"] = {k: v or config.model.weights for k, v in paths.items()}
   out["seconds"] = round(time.perf_counter() - t_all, 1)

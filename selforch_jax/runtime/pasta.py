@@ -129,10 +129,11 @@ def constraint_ids(tv: TagVocab, stop_ids: Sequence[int] = (),
                    digits: bool = False) -> tuple[int, ...]:
   """The ids :class:`PASTAScheduler` constrains with ``constrain_tags``, in order:
   :func:`grammar_ids`, the sorted ``stop_ids``, then (``digits``, the scheduler's
-  ``max_topic_tokens`` set) ``tv.digit_ids``. Shapes compiled for sampling depend on its length.
+  ``max_topic_tokens`` set) ``tv.digit_ids`` and ``tv.space_ids[:1]`` (the separator before a
+  promise length). Shapes compiled for sampling depend on its length.
   """
   return (*grammar_ids(tv), *sorted({int(i) for i in stop_ids}),
-          *(tv.digit_ids if digits else ()))
+          *((*tv.digit_ids, *tv.space_ids[:1]) if digits else ()))
 
 
 def grammar_ids(tv: TagVocab) -> tuple[int, ...]:
@@ -153,11 +154,12 @@ def tag_grammar(tv: TagVocab, in_thread: bool, in_promise: bool, promise_inner: 
   ``<promise>`` or forks with ``<async>`` (nothing else); elsewhere the main thread writes text
   or register tags, opens a promise, or forks when a round is open. ``<sync/>`` is always the
   runtime's; ``<|mask|>`` and ``[PAD]`` are never sampled. Text is restricted only right after
-  ``</promise>``. ``threads_full`` (the request's forked threads plus the open round's promises
-  reached the scheduler's ``max_threads``): no ``<promise>`` may open, so right after
-  ``</promise>`` only ``<async>`` may follow. ``long_topic`` (a promise's topic reached the
-  scheduler's ``max_topic_tokens``): only the constrained ids not banned may follow (the
-  scheduler adds the digits there, so the promise must write its length and close).
+  ``</promise>``. ``threads_full`` (the request's promises reached the scheduler's
+  ``max_threads``): no ``<promise>`` may open, so right after ``</promise>`` only ``<async>``
+  may follow (when no round is open there, e.g. after a prompt's promise without a length,
+  ``<promise>`` stays allowed so that something is). ``long_topic`` (a promise without a length
+  reached the scheduler's ``max_topic_tokens``): only the constrained ids not banned may follow
+  (the scheduler adds a space and the digits, so the promise must write its length and close).
 
   Returns:
     ``(ban, only_tags)``: ``ban`` one bool per id of :func:`grammar_ids`; ``only_tags`` True when
@@ -170,7 +172,8 @@ def tag_grammar(tv: TagVocab, in_thread: bool, in_promise: bool, promise_inner: 
     _, n = tv.split_length(promise_inner)
     return [True, n is None, True, True, True, True, True] + [True] * K, long_topic
   if after_promise:
-    return [threads_full, True, not round_open, True, True, True, True] + [True] * K, True
+    return ([threads_full and round_open, True, not round_open, True, True, True, True]
+            + [True] * K, True)
   return [threads_full, True, not round_open, True, True, True, True] + [False] * K, False
 
 
@@ -214,6 +217,7 @@ class _Request:
     self.builder = LayoutBuilder(tv, cap=cap, length_unit=length_unit)
     self.round_lengths: list[int] = []   # N of the promises of the open round
     self.promised = 0                    # promises with a length so far, all rounds
+    self.length_at: int | None = None    # max_topic_tokens: where the forced length starts
     self.plan_start: int | None = None   # feed index of the open round's first <promise>
     self.prompt_plan_start: int | None = None
     self.main: list[int] = []            # canonical response tokens, main thread so far
@@ -302,8 +306,8 @@ class PASTAScheduler(Scheduler):
       log-probs are then those of the constrained distribution. Off by default (the training
       forward's log-probs and the parser's degradation paths are what the tests compare).
     max_topic_tokens: with ``constrain_tags``, the most tokens a promise may hold without a
-      length: then only digits may follow (at most two), then ``</promise>`` (None: no limit;
-      needs ``tag_vocab.digit_ids``).
+      length: then it must write its length, a space (``tag_vocab.space_ids[0]``, if any) and
+      one or two digits, and close (None: no limit; needs ``tag_vocab.digit_ids``).
     max_threads: with ``constrain_tags``, the most threads one request may fork over all its
       rounds: once its forked threads plus the open round's promises reach it, ``<promise>``
       is banned (right after a ``</promise>`` only ``<async>`` may follow), so a pool with
@@ -397,11 +401,15 @@ class PASTAScheduler(Scheduler):
     key = MAIN if stream is None else stream
     if stream is None:
       if token == self.tv.promise_open:
-        r.in_promise, r.promise_inner = True, []
+        r.in_promise, r.promise_inner, r.length_at = True, [], None
       elif token == self.tv.promise_close:
         r.in_promise = False
       elif r.in_promise:
         r.promise_inner.append(token)
+        if (self.max_topic is not None and r.length_at is None
+            and len(r.promise_inner) >= self.max_topic
+            and self.tv.split_length(r.promise_inner)[1] is None):
+          r.length_at = len(r.promise_inner)
       r.last_main = token
     q["tokens"].append(token)
     q["positions"].append(b.position_of(i))
@@ -445,6 +453,7 @@ class PASTAScheduler(Scheduler):
         self._feed(r, t, None, q)
         meta.append((ri, MAIN, False))
       r.prompt_plan_start = r.plan_start
+      r.promised = len(r.round_lengths)  # earlier turns' rounds are not this answer's threads
       if fork:
         self._fork(r, self.tv.async_open, 0.0, injected=True)
         return StepPlan(tokens=q["tokens"], positions=q["positions"], segments=q["segments"],
@@ -549,17 +558,18 @@ class PASTAScheduler(Scheduler):
     in_thread = stream != MAIN
     after = not in_thread and r.last_main == self.tv.promise_close
     full = self.max_threads is not None and r.promised >= self.max_threads
-    long_topic = False
-    n_digits = 0
-    if self.max_topic is not None and r.in_promise and not in_thread:
-      topic, n = self.tv.split_length(r.promise_inner)
-      long_topic = len(topic) >= self.max_topic
-      n_digits = 0 if n is None else len(str(n))
+    forced = (self.max_topic is not None and not in_thread and r.in_promise
+              and r.length_at is not None)
     ban, only = tag_grammar(self.tv, in_thread, r.in_promise, r.promise_inner, after,
-                            bool(r.round_lengths), full, long_topic)
+                            bool(r.round_lengths), full, forced)
     ban += [in_thread or r.in_promise or after] * len(self.stops)
-    if self.max_topic is not None:  # digits: text, except a long topic's length has two
-      ban += [long_topic and n_digits >= 2] * len(self.tv.digit_ids)
+    if self.max_topic is not None:  # the digits, then the space: text unless `only`
+      if forced:   # the forced length: [space], one or two digits, then </promise>
+        k = len(r.promise_inner) - r.length_at
+        sp = len(self.tv.space_ids[:1])
+        ban += [not sp <= k < sp + 2] * 10 + [k >= sp] * sp
+      else:
+        ban += [only] * (10 + len(self.tv.space_ids[:1]))
     return ban, only
 
   def _on_token(self, r: _Request, stream: int, tok: int, lp: float, from_index: int) -> None:
