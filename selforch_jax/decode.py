@@ -68,7 +68,8 @@ def print_pasta(block: dict, path: str) -> None:
   print(f"\nPASTA ({b['adapter']}): {b['n']} AlpacaEval prompts, {b['threads']} threads, "
         f"{b['tokens_per_forward']:.2f} tokens/forward, theoretical speedup "
         f"{b['theoretical_speedup']:.2f}x, wall AR/PASTA {b['wall_ratio_ar_over_pasta']:.2f}x "
-        f"(geometric mean), parse rate {b['parse_rate']:.2f} (strict {b['parse_rate_strict']:.2f}); {b['wall_s']:.0f} s")
+        f"(geometric mean), parse rate {b['parse_rate']:.2f} "
+        f"(strict {b['parse_rate_strict']:.2f}); {b['wall_s']:.0f} s")
   print(f"pasta rows: {path}")
 
 
