@@ -210,8 +210,8 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
 
   from tqdm import tqdm
 
-  from selforch_jax.eval.pasta import (make_engine, pasta_constraint_ids, pasta_options, run_ar,
-                                       run_pasta, warm_up)
+  from selforch_jax.eval.pasta import (make_engine, pasta_constraint_ids, pasta_options,
+                                       pasta_pool_slots, run_ar, run_pasta, warm_up)
   from selforch_jax.eval.run import load_finetuned
   from selforch_jax.lang import TagVocab
 
@@ -222,10 +222,9 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
   prompts = [tok.encode_chat(it["messages"], add_generation_prompt=True) for it in items]
   P, ps = max(len(p) for p in prompts), 16
   # a thread's pages are its own: spare pages for the partial last page of each thread
-  threads = pc.max_threads if pc.constrain_tags else 16  # the grammar caps them
-  engine = make_engine(model, P + pc.max_new_tokens + 64 + threads * ps, ps)
-  t0 = time.perf_counter()
   opts = pasta_options(pc)
+  engine = make_engine(model, pasta_pool_slots(P, pc.max_new_tokens, ps, opts, 16), ps)
+  t0 = time.perf_counter()
   warm_up(engine, max(P, 64), pasta_constraint_ids(tv, tok, opts))
   run_pasta(engine, tok, tv, prompts[0], 8, pc.cap, **opts)
   run_ar(engine, tok, prompts[0], 8)

@@ -177,6 +177,15 @@ def pasta_options(c) -> dict:
           "max_topic_tokens": int(c.max_topic_tokens) or None}
 
 
+def pasta_pool_slots(prompt_len: int, max_new: int, page_size: int, options: dict,
+                     unconstrained_threads: int = 32) -> int:
+  """KV slots for one PASTA answer: prompt + answer + 64 runtime-fed tags, plus the partial
+  last page of each thread (``max_threads`` of ``options`` under the tag grammar, which caps
+  them; else room for ``unconstrained_threads``)."""
+  threads = options.get("max_threads") or unconstrained_threads
+  return prompt_len + max_new + 64 + threads * page_size
+
+
 def pasta_constraint_ids(tv, tok, options: dict) -> tuple[int, ...] | None:
   """The ids the PASTA scheduler constrains under ``options`` (:func:`pasta_options`; None
   without ``constrain_tags``), for :func:`warm_up`."""
@@ -390,11 +399,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   sc, apc, fc = config.sot, config.apar, config.forced
   # each system runs on a pool sized to its own need (the CPU engine attends over every slot,
   # so a pool sized for SoT's parallel prompts would slow AR and PASTA alike): AR and PASTA get
-  # the same size (PASTA's spare pages: each of up to max_threads threads ends in a partial page)
+  # the same size (PASTA's spare pages: each thread ends in a partial page)
   ps = config.page_size
-  # (without the tag grammar nothing caps the threads: room for 32)
-  seq = P + ec.max_new_tokens + 64 + (config.max_threads if ec.constrain_tags else 32) * ps
   opts = pasta_options(ec)
+  seq = pasta_pool_slots(P, ec.max_new_tokens, ps, opts)
   sizes = {"ar": seq, "pasta": seq, "apar": seq + apc.max_forks * (apc.child_tokens + ps),
            "sot": sc.max_points * (P + 256 + sc.skeleton_tokens + sc.point_tokens + 32) + 4 * ps,
            "forced": P + fc.promises * (20 * fc.length + 10) * 2 + 64 + 4 * ps}

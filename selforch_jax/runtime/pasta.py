@@ -309,8 +309,8 @@ class PASTAScheduler(Scheduler):
       length: then it must write its length, a space (``tag_vocab.space_ids[0]``, if any) and
       one or two digits, and close (None: no limit; needs ``tag_vocab.digit_ids``).
     max_threads: with ``constrain_tags``, the most threads one request may fork over all its
-      rounds: once its forked threads plus the open round's promises reach it, ``<promise>``
-      is banned (right after a ``</promise>`` only ``<async>`` may follow), so a pool with
+      rounds: once its answer's promises (a teacher-forced PLAN's open round included) reach
+      it, ``<promise>`` is banned (right after a ``</promise>`` only ``<async>`` may follow), so a pool with
       room for the tokens plus ``max_threads`` partial pages cannot run out (None: no cap).
 
   After :func:`~selforch_jax.runtime.scheduler.run`: :attr:`results` (one
@@ -567,9 +567,9 @@ class PASTAScheduler(Scheduler):
       if forced:   # the forced length: [space], one or two digits, then </promise>
         k = len(r.promise_inner) - r.length_at
         sp = len(self.tv.space_ids[:1])
-        ban += [not sp <= k < sp + 2] * 10 + [k >= sp] * sp
+        ban += [not sp <= k < sp + 2] * len(self.tv.digit_ids) + [k >= sp] * sp
       else:
-        ban += [only] * (10 + len(self.tv.space_ids[:1]))
+        ban += [only] * (len(self.tv.digit_ids) + len(self.tv.space_ids[:1]))
     return ban, only
 
   def _on_token(self, r: _Request, stream: int, tok: int, lp: float, from_index: int) -> None:
