@@ -12,7 +12,7 @@ Run:
       --config.dense_for.synthetic_chain=out/tip_chain_dense_sft --workdir=out/eval_tip_chain
 
 Arguments: n (problems per dataset, the first n of each test file; default 300), max_new_tokens,
-batch_size, datasets (``+``-separated: gsm8k, synthetic_chain, math500, aime), budget (tip_mean,
+batch_size, datasets (``+``-separated: gsm8k, synthetic_chain, synthetic_walk, math500, aime), budget (tip_mean,
 tip_peak or an integer number of tokens). Output: ``DIR/tip_eval.json``,
 ``DIR/tip_<dataset>_<system>.jsonl``, ``DIR/tip_accuracy_vs_live_kv.png``.
 """

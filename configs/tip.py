@@ -10,6 +10,7 @@ start with):
   python -m selforch_jax.train --config=configs/tip.py:dense_grpo --workdir=out/tip_dense_grpo
   # the synthetic chain task instead of GSM8K:
   python -m selforch_jax.train --config=configs/tip.py:sft,data=synthetic_chain --workdir=out/tip_chain_sft
+  python -m selforch_jax.train --config=configs/tip.py:sft,data=synthetic_walk --workdir=out/tip_walk_sft
   # accelerator scale: full fine-tuning, seq_len 2048, batch 64, 2000 steps, bf16 compute,
   # GRPO groups of 16 x 32 prompts with 1024-token rollouts (add --config.mesh.fsdp=N to shard):
   python -m selforch_jax.train --config=configs/tip.py:sft,scale=accel --workdir=gs://.../tip_sft
@@ -17,7 +18,7 @@ start with):
       --workdir=gs://.../tip_grpo
 
 Argument: ``STAGE[,key=value,...]``; STAGE is ``sft`` (default), ``grpo``, ``dense_sft`` or
-``dense_grpo``. Keys: ``data`` (gsm8k | synthetic_chain), ``model`` (a preset; smollm2_135m loads
+``dense_grpo``. Keys: ``data`` (gsm8k | synthetic_chain | synthetic_walk), ``model`` (a preset; smollm2_135m loads
 the GGUF weights, others are random with the SmolLM2 tokenizer), ``scale`` (cpu | accel),
 ``num_registers`` (K), ``steps``, ``seq_len``, ``batch_size``, ``lora_rank`` (-1 = the scale's
 default), ``init_from`` (GRPO: the SFT workdir; default ``out/tip_sft`` / ``out/tip_dense_sft``;
@@ -25,7 +26,8 @@ default), ``init_from`` (GRPO: the SFT workdir; default ``out/tip_sft`` / ``out/
 
 Data: GSM8K train solutions annotated by ``tip_gsm8k`` (each line a step, ``<reg_k>`` tags from
 linear-scan allocation over the dependence graph; ``data.annotator_args.num_registers`` = K), or
-the pre-annotated ``synthetic_chain`` rows; the dense stages set ``data.strip_tags`` (same words,
+the pre-annotated ``synthetic_chain`` / ``synthetic_walk`` rows (the walk: a short prompt and a
+long trace, see :mod:`selforch_jax.data.synthetic_walk`); the dense stages set ``data.strip_tags`` (same words,
 no tags). SFT uses the mask builder's mask (a token never sees a step killed before it). GRPO:
 rollouts through the ``tip`` scheduler (eviction on; ``dense_grpo``: ``ar``), reward = exact-match
 correctness + 0.1 x format (``gsm8k`` reward: an explicit ``#### N`` / ``\boxed{}`` answer),
@@ -38,7 +40,7 @@ from selforch_jax.trainers.grpo_config import grpo_defaults
 from selforch_jax.trainers.run import defaults
 
 STAGES = ("sft", "grpo", "dense_sft", "dense_grpo")
-DATA = ("gsm8k", "synthetic_chain")
+DATA = ("gsm8k", "synthetic_chain", "synthetic_walk")
 BASE_VOCAB = 49152  # SmolLM2 tokenizer size: tag rows start here
 
 

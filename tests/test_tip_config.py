@@ -26,7 +26,8 @@ def _tip():
 
 
 @pytest.mark.parametrize("arg", [None, "sft", "dense_sft", "sft,data=synthetic_chain",
-                                 "dense_sft,data=synthetic_chain", "grpo,init_from=none",
+                                 "dense_sft,data=synthetic_chain", "sft,data=synthetic_walk",
+                                 "dense_sft,data=synthetic_walk", "grpo,init_from=none",
                                  "dense_grpo,init_from=none", "sft,scale=accel",
                                  "grpo,scale=accel,init_from=none", "sft,num_registers=4,steps=7"])
 def test_every_stage_validates(arg):
@@ -48,6 +49,8 @@ def test_stages_differ_where_they_should():
   assert tip.get_config(None).to_dict() == sft.to_dict()    # the default stage is sft
   chain = tip.get_config("sft,data=synthetic_chain")
   assert chain.data.name == "synthetic_chain" and chain.data.annotator is None
+  walk = tip.get_config("dense_sft,data=synthetic_walk")
+  assert walk.data.name == "synthetic_walk" and walk.data.annotator is None and walk.data.strip_tags
   g, dg = tip.get_config("grpo,init_from=none"), tip.get_config("dense_grpo,init_from=none")
   assert g.trainer == dg.trainer == "grpo"
   assert (g.grpo.scheduler, g.grpo.layout_mask, dg.grpo.scheduler, dg.grpo.layout_mask) == \

@@ -24,6 +24,8 @@ aime          aime/aime_2024.jsonl (test),           :func:`aime_to_messages` (p
               aime/aime_2025.jsonl (split "2025")
 synthetic_    synthetic_chain/{train,test}.jsonl     ``synthetic_chain.chain_to_messages``
 chain         (generated, see its PROVENANCE)        (register-annotated solution)
+synthetic_    synthetic_walk/{train,test}.jsonl      ``synthetic_chain.chain_to_messages``
+walk          (generated, see its PROVENANCE)        (same row format)
 ============  =====================================  ==========================================
 """
 
@@ -275,6 +277,9 @@ DATASETS: dict[str, tuple[Callable[[Mapping[str, Any]], dict[str, Any]], dict[st
     # TIP's synthetic task: assistant = the register-annotated solution (data.strip_tags: dense)
     "synthetic_chain": (_synthetic_chain_to_messages,
                         {"train": "synthetic_chain/train.jsonl", "test": "synthetic_chain/test.jsonl"}),
+    # TIP's long-trace task (short prompt; rows in the synthetic_chain format)
+    "synthetic_walk": (_synthetic_chain_to_messages,
+                       {"train": "synthetic_walk/train.jsonl", "test": "synthetic_walk/test.jsonl"}),
 }
 
 
