@@ -265,8 +265,8 @@ def teacher_forced_live_kv(engine, prompts, solutions, tok, tv, ec) -> dict:
     ``n``, ``tip_live_kv_mean_tokens`` / ``..._peak_tokens``, ``dense_live_kv_mean_tokens`` /
     ``..._peak_tokens`` (averages over problems), ``reduction_mean`` / ``reduction_peak``
     (1 - TIP / dense), ``response_reduction_mean`` (the same over the response tokens only,
-    prompt excluded), ``mean_logprob``, ``killed_share`` (share of response tokens evicted by
-    the end), ``decode_s``.
+    prompt excluded; from ``tip_`` / ``dense_response_live_kv_mean_tokens``), ``mean_logprob``,
+    ``killed_share`` (share of response tokens evicted by the end), ``decode_s``.
   """
   from selforch_jax.runtime.scheduler import run
   from selforch_jax.runtime.tip import TIPScheduler
@@ -302,6 +302,8 @@ def teacher_forced_live_kv(engine, prompts, solutions, tok, tv, ec) -> dict:
           "reduction_peak": 1.0 - float(np.mean(tip_p)) / float(np.mean(den_p)),
           "response_reduction_mean": 1.0 - float(np.mean(resp_t)) / max(float(np.mean(resp_d)),
                                                                           1e-9),
+          "tip_response_live_kv_mean_tokens": float(np.mean(resp_t)),
+          "dense_response_live_kv_mean_tokens": float(np.mean(resp_d)),
           "mean_logprob": float(np.mean(lps)), "killed_share": float(np.mean(killed)),
           "decode_s": round(secs, 2)}
 
@@ -319,7 +321,6 @@ def evaluate_dataset(dataset: str, models: dict, ec, workdir: str) -> dict:
   """All systems on one dataset (see the module docstring); writes the per-problem JSONL."""
   from selforch_jax.data.sources import load_examples
   from selforch_jax.eval.answers import extract_answer, is_correct
-  from selforch_jax.eval.stats import bootstrap_ci, format_ci, paired_bootstrap_diff
   from selforch_jax.lang.assemble import assemble
   from selforch_jax.runtime.engine import Engine
 
@@ -377,41 +378,63 @@ def evaluate_dataset(dataset: str, models: dict, ec, workdir: str) -> dict:
         f.write(json.dumps(x, ensure_ascii=False) + "\n")
     if system == "tip":
       tip_kv = res["kv"]
-    c = np.array([x["correct"] for x in recs], np.float64)
-    correct[system] = c
-    acc = bootstrap_ci(c, n_boot=ec.n_boot, seed=ec.seed)
-    mean_kv = [x["mean_live_tokens"] for x in recs]
-    peak_kv = [x["peak_live_tokens"] for x in recs]
-    new = sum(x["new_tokens"] for x in recs)
-    out["systems"][system] = {
-        "accuracy": acc, "accuracy_str": format_ci(acc),
-        "live_kv_mean_tokens": float(np.mean(mean_kv)),
-        "live_kv_peak_tokens": float(np.mean(peak_kv)),
-        "live_kv_max_peak_tokens": int(np.max(peak_kv)),
-        "live_kv_mean_bytes": float(np.mean([x["mean_live_bytes"] for x in recs])),
-        "live_kv_peak_bytes": float(np.mean([x["peak_live_bytes"] for x in recs])),
-        "resident_kv_mean_tokens": float(np.mean([x["mean_resident_tokens"] for x in recs])),
-        "prompt_mean_tokens": float(np.mean([x["prompt_tokens"] for x in recs])),
-        "budget_mean_tokens": None if budgets is None else float(np.mean(budgets)),
-        "decode_s": round(res["decode_s"], 2), "new_tokens": new,
-        "tokens_per_s": round(new / res["decode_s"], 2) if res["decode_s"] else 0.0,
-    }
-  if "tip" in correct:
-    out["tip_minus"] = {}
-    for s in systems:
-      if s != "tip":
-        d = paired_bootstrap_diff(correct["tip"], correct[s], n_boot=ec.n_boot, seed=ec.seed)
-        out["tip_minus"][s] = d | {"str": format_ci(d)}
-    if "dense" in correct:
-      t, d = out["systems"]["tip"], out["systems"]["dense"]
-      # over the response only: both keep the whole prompt, so subtract its length
-      out["live_kv_reduction_vs_dense"] = {
-          "mean": 1.0 - t["live_kv_mean_tokens"] / d["live_kv_mean_tokens"],
-          "peak": 1.0 - t["live_kv_peak_tokens"] / d["live_kv_peak_tokens"],
-          "response_mean": 1.0 - (t["live_kv_mean_tokens"] - t["prompt_mean_tokens"])
-                           / max(d["live_kv_mean_tokens"] - d["prompt_mean_tokens"], 1e-9)}
+    correct[system] = np.array([x["correct"] for x in recs], np.float64)
+    out["systems"][system] = system_summary(recs, res["decode_s"], ec.n_boot, ec.seed)
+  compare_systems(out, correct, ec.n_boot, ec.seed)
   return out
 
+
+
+def system_summary(recs: list[dict], decode_s: float, n_boot: int, seed: int) -> dict:
+  """One system's figures from its per-problem records (the ``tip_<dataset>_<system>.jsonl``
+  rows): accuracy with a bootstrap 95% CI and n, live KV (tokens and bytes; means over problems
+  and the largest peak), prompt length, budget, decode seconds and tokens per second.
+
+  Raises:
+    ValueError: no records.
+  """
+  from selforch_jax.eval.stats import bootstrap_ci, format_ci
+  if not recs:
+    raise ValueError("system_summary: no records")
+  acc = bootstrap_ci(np.array([x["correct"] for x in recs], np.float64), n_boot=n_boot, seed=seed)
+  mean = lambda key: float(np.mean([x[key] for x in recs]))  # noqa: E731
+  budgets = [x["budget"] for x in recs if x["budget"] is not None]
+  new = sum(x["new_tokens"] for x in recs)
+  return {
+      "accuracy": acc, "accuracy_str": format_ci(acc),
+      "live_kv_mean_tokens": mean("mean_live_tokens"),
+      "live_kv_peak_tokens": mean("peak_live_tokens"),
+      "live_kv_max_peak_tokens": int(max(x["peak_live_tokens"] for x in recs)),
+      "live_kv_mean_bytes": mean("mean_live_bytes"), "live_kv_peak_bytes": mean("peak_live_bytes"),
+      "resident_kv_mean_tokens": mean("mean_resident_tokens"),
+      "prompt_mean_tokens": mean("prompt_tokens"),
+      "budget_mean_tokens": float(np.mean(budgets)) if budgets else None,
+      "decode_s": round(decode_s, 2), "new_tokens": new,
+      "tokens_per_s": round(new / decode_s, 2) if decode_s else 0.0,
+  }
+
+
+def compare_systems(out: dict, correct: dict, n_boot: int, seed: int) -> None:
+  """Adds to one dataset's ``out`` (in place) the paired accuracy differences TIP - each other
+  system (``tip_minus``, bootstrap CI over the same problems) and TIP's live-KV reduction vs
+  dense (``live_kv_reduction_vs_dense``: mean, peak, and over the response tokens only).
+  ``correct``: system -> 0/1 array per problem, in the same problem order. No-op without TIP."""
+  from selforch_jax.eval.stats import format_ci, paired_bootstrap_diff
+  if "tip" not in correct:
+    return
+  out["tip_minus"] = {}
+  for s in correct:
+    if s != "tip":
+      d = paired_bootstrap_diff(correct["tip"], correct[s], n_boot=n_boot, seed=seed)
+      out["tip_minus"][s] = d | {"str": format_ci(d)}
+  if "dense" in correct:
+    t, d = out["systems"]["tip"], out["systems"]["dense"]
+    # over the response only: both keep the whole prompt, so subtract its length
+    out["live_kv_reduction_vs_dense"] = {
+        "mean": 1.0 - t["live_kv_mean_tokens"] / d["live_kv_mean_tokens"],
+        "peak": 1.0 - t["live_kv_peak_tokens"] / d["live_kv_peak_tokens"],
+        "response_mean": 1.0 - (t["live_kv_mean_tokens"] - t["prompt_mean_tokens"])
+                         / max(d["live_kv_mean_tokens"] - d["prompt_mean_tokens"], 1e-9)}
 
 def plot(out: dict, path: str) -> None:
   """Accuracy (95% CI error bars) vs mean live KV tokens, one panel per dataset."""
