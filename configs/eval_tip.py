@@ -10,10 +10,15 @@ Run:
   python -m selforch_jax.eval --config=configs/eval_tip.py:datasets=synthetic_chain \
       --config.tip_for.synthetic_chain=out/tip_chain_sft \
       --config.dense_for.synthetic_chain=out/tip_chain_dense_sft --workdir=out/eval_tip_chain
+  # two shards over problems 0..149 and 150..299 (one per core or host), merged into one report:
+  python -m selforch_jax.eval --config=configs/eval_tip.py:n=150,offset=150,datasets=synthetic_walk \
+      ... --workdir=out/walk_b      # and offset=0 -> out/walk_a
+  python -m selforch_jax.eval.tip_merge --out=out/walk out/walk_a out/walk_b
 
-Arguments: n (problems per dataset, the first n of each test file; default 300), max_new_tokens,
-batch_size, datasets (``+``-separated: gsm8k, synthetic_chain, synthetic_walk, math500, aime), budget (tip_mean,
-tip_peak or an integer number of tokens). Output: ``DIR/tip_eval.json``,
+Arguments: n (problems per dataset, rows offset..offset+n-1 of each test file; default 300),
+offset (default 0), max_new_tokens, batch_size, datasets (``+``-separated: gsm8k,
+synthetic_chain, synthetic_walk, math500, aime), budget (tip_mean, tip_peak or an integer number
+of tokens). Output: ``DIR/tip_eval.json``,
 ``DIR/tip_<dataset>_<system>.jsonl``, ``DIR/tip_accuracy_vs_live_kv.png``.
 """
 
@@ -22,13 +27,14 @@ from selforch_jax.eval.tip import defaults
 
 
 def get_config(arg=None):
-  a = config_lib.parse_arg(arg, n=300, max_new_tokens=256, batch_size=8,
+  a = config_lib.parse_arg(arg, n=300, offset=0, max_new_tokens=256, batch_size=8,
                            datasets="gsm8k+synthetic_chain", budget="tip_mean")
   c = defaults()
   c.model.preset = "smollm2_135m"
   c.model.weights = "smollm2_gguf"
   c.model.tags = True
   c.eval.n = a.n
+  c.eval.offset = a.offset
   c.eval.max_new_tokens = a.max_new_tokens
   c.eval.batch_size = a.batch_size
   c.eval.datasets = a.datasets.replace("+", ",")
