@@ -1,16 +1,15 @@
 r"""A synthetic long-trace task with a short prompt, for TIP's live-KV target (issue 6, DESIGN.md §6).
 
-A modular walk: the question is one line, the solution is a long chain of steps where each value
-dies as soon as the next one is written::
+A walk: the question is one line, the solution is a long chain of steps where each value dies
+as soon as the next one is written::
 
-  question:  x0 = 5. Add 7 per step, mod 30. What is x16 + 4?
+  question:  x0 = 5. Add 7 per step. What is x16 + 4?
   solution:  x1 = 5 + 7 = 12
              x2 = 12 + 7 = 19
              ...
-             x4 = 26 + 7 = 33 - 30 = 3
-             ...
-             x16 + 4 = 13 + 4 = 17
-             #### 17
+             x16 = 110 + 7 = 117
+             x16 + 4 = 117 + 4 = 121
+             #### 121
 
 Step ``k`` (``x{k+1}``) reads only step ``k-1`` (``x1`` reads ``x0`` from the question, which is
 never evicted); the sum step reads the last ``x`` and the question's offset; ``#### v`` reads the
@@ -19,10 +18,12 @@ about the prompt plus two lines, while a dense cache grows with the whole trace.
 ``+ c`` sits in the question only: a policy that drops the prompt's middle (StreamingLLM's
 sinks + recent window) loses it by the last line. The synthetic chain task
 (:mod:`selforch_jax.data.synthetic_chain`) states every definition in its prompt, which caps
-the reduction there well below 50% (its reference annotations give about 18%).
+the reduction there well below 50% (its reference annotations give about 18%). A first version of
+this task wrapped the values modulo a number from the question; SmolLM2-135M did not learn the
+wrap-around in 160 LoRA steps (dense 0.07, TIP 0.055 exact match, n=200), so the walk only adds.
 
 Knobs (:class:`WalkSpec`): ``min_steps`` / ``max_steps`` (walk length, drawn uniformly),
-``min_modulus`` / ``max_modulus`` (values stay in ``[0, modulus)``), ``max_add`` (addend in
+``max_start`` (``x0`` in ``[0, max_start]``), ``max_add`` (addend in
 ``[2, max_add]``), ``num_registers`` K.
 
 Files for the data pipeline (``DATASETS["synthetic_walk"]``; rows in the same format as
@@ -30,7 +31,8 @@ Files for the data pipeline (``DATASETS["synthetic_walk"]``; rows in the same fo
 
   python -m selforch_jax.data.synthetic_walk --out=data/synthetic_walk
 
-writes ``train.jsonl`` (2000 problems, seed 0) and ``test.jsonl`` (500 problems, seed 1).
+writes ``train.jsonl`` (2000 problems, seed 0) and ``test.jsonl`` (500 problems, seed 1, none
+of them a training question).
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ class WalkSpec:
 
   Attributes:
     min_steps, max_steps: walk length range (inclusive, 2 <= min <= max).
-    min_modulus, max_modulus: modulus range (inclusive, 10 <= min <= max <= 99).
-    max_add: the addend is drawn from ``[2, max_add]`` (2 <= max_add < min_modulus).
+    max_start: ``x0`` is drawn from ``[0, max_start]``.
+    max_add: the addend is drawn from ``[2, max_add]`` (>= 2).
     num_registers: K for the annotated solution (>= 2: the walk keeps two steps live).
 
   Raises:
@@ -66,27 +68,21 @@ class WalkSpec:
 
   min_steps: int = 12
   max_steps: int = 16
-  min_modulus: int = 20
-  max_modulus: int = 60
+  max_start: int = 60
   max_add: int = 9
   num_registers: int = 8
 
   def __post_init__(self):
     for name, ok in (("min_steps", 2 <= self.min_steps <= self.max_steps),
-                     ("min_modulus", 10 <= self.min_modulus <= self.max_modulus <= 99),
-                     ("max_add", 2 <= self.max_add < self.min_modulus),
+                     ("max_start", self.max_start >= 0), ("max_add", self.max_add >= 2),
                      ("num_registers", self.num_registers >= 2)):
       if not ok:
         raise ValueError(f"WalkSpec.{name}={getattr(self, name)!r} is out of range")
 
 
-def walk_values(start: int, add: int, modulus: int, steps: int) -> list[int]:
-  """``[x0, x1, ..., x_steps]`` with ``x_{k+1} = (x_k + add) mod modulus`` (the question's rule;
-  tests check the generated solutions against it)."""
-  xs = [start]
-  for _ in range(steps):
-    xs.append((xs[-1] + add) % modulus)
-  return xs
+def walk_values(start: int, add: int, steps: int) -> list[int]:
+  """``[x0, x1, ..., x_steps]`` with ``x_{k+1} = x_k + add`` (the question's rule)."""
+  return [start + k * add for k in range(steps + 1)]
 
 
 def generate_walk(rng: np.random.Generator, spec: WalkSpec = WalkSpec()) -> dict[str, Any]:
@@ -95,17 +91,13 @@ def generate_walk(rng: np.random.Generator, spec: WalkSpec = WalkSpec()) -> dict
   ``uses`` (gold dependence graph over the steps) and ``registers`` (per step).
   """
   steps = int(rng.integers(spec.min_steps, spec.max_steps + 1))
-  modulus = int(rng.integers(spec.min_modulus, spec.max_modulus + 1))
   add = int(rng.integers(2, spec.max_add + 1))
-  start = int(rng.integers(0, modulus))
+  start = int(rng.integers(0, spec.max_start + 1))
   offset = int(rng.integers(1, 10))
-  xs = walk_values(start, add, modulus, steps)
-  question = f"x0 = {start}. Add {add} per step, mod {modulus}. What is x{steps} + {offset}?"
-  lines = []
-  for k in range(1, steps + 1):
-    s = xs[k - 1] + add
-    wrap = f" - {modulus} = {xs[k]}" if s >= modulus else ""
-    lines.append(f"x{k} = {xs[k - 1]} + {add} = {s}{wrap}\n")
+  xs = walk_values(start, add, steps)
+  question = f"x0 = {start}. Add {add} per step. What is x{steps} + {offset}?"
+  # every line restates the addend, so a step needs only the step before it
+  lines = [f"x{k} = {xs[k - 1]} + {add} = {xs[k]}\n" for k in range(1, steps + 1)]
   answer = xs[-1] + offset
   lines.append(f"x{steps} + {offset} = {xs[-1]} + {offset} = {answer}\n")
   lines.append(f"#### {answer}")
@@ -116,10 +108,29 @@ def generate_walk(rng: np.random.Generator, spec: WalkSpec = WalkSpec()) -> dict
           "uses": [list(u) for u in uses], "registers": list(alloc.registers)}
 
 
-def generate_walk_split(n: int, seed: int, spec: WalkSpec = WalkSpec()) -> list[dict[str, Any]]:
-  """``n`` rows from ``np.random.default_rng(seed)`` (same arguments, same rows)."""
+def generate_walk_split(n: int, seed: int, spec: WalkSpec = WalkSpec(),
+                        exclude: frozenset[str] | set[str] = frozenset()) -> list[dict[str, Any]]:
+  """``n`` rows with distinct questions, none in ``exclude``, drawn from
+  ``np.random.default_rng(seed)`` (same arguments, same rows). The task has a small space
+  (about 22k questions by default), so the test split excludes the training questions.
+
+  Raises:
+    ValueError: fewer than ``n`` new questions turned up in ``100 * n`` draws (the spec's
+      space is too small).
+  """
   rng = np.random.default_rng(seed)
-  return [generate_walk(rng, spec) for _ in range(n)]
+  rows, seen = [], set(exclude)
+  for _ in range(100 * n):
+    if len(rows) == n:
+      break
+    row = generate_walk(rng, spec)
+    if row["question"] not in seen:
+      seen.add(row["question"])
+      rows.append(row)
+  if len(rows) < n:
+    raise ValueError(f"only {len(rows)} of {n} distinct new questions in {100 * n} draws: "
+                     "widen the WalkSpec")
+  return rows
 
 
 def main(argv=None) -> None:
@@ -131,9 +142,12 @@ def main(argv=None) -> None:
   ap.add_argument("--out", default="data/synthetic_walk")
   a = ap.parse_args(argv)
   os.makedirs(a.out, exist_ok=True)
-  for split, seed in SPLIT_SEEDS.items():
+  train = generate_walk_split(SPLIT_SIZES["train"], SPLIT_SEEDS["train"])
+  test = generate_walk_split(SPLIT_SIZES["test"], SPLIT_SEEDS["test"],
+                             exclude={r["question"] for r in train})
+  for split, rows in (("train", train), ("test", test)):
     with open(os.path.join(a.out, f"{split}.jsonl"), "w") as f:
-      for row in generate_walk_split(SPLIT_SIZES[split], seed):
+      for row in rows:
         f.write(json.dumps(row) + "\n")
 
 
