@@ -75,12 +75,22 @@ def test_eval_tip_all_systems_matched_budgets(tmp_path):
     ("datasets", "gsm8k,nope", "eval.datasets"),
     ("systems", "tip,lru", "eval.systems"),
     ("budget", "lots", "eval.budget"),
+    ("offset", -1, "eval.offset"),
 ])
 def test_eval_tip_config_errors_name_the_key(key, value, match):
   c = _config()
   c.eval[key] = value
   with pytest.raises(config_lib.ConfigError, match=match):
     validate(c)
+
+
+def test_an_offset_past_a_test_file_fails_before_any_model_loads(tmp_path, monkeypatch):
+  import selforch_jax.eval.tip as tip
+  monkeypatch.setattr(tip, "_load_models", lambda *a: pytest.fail("models loaded"))
+  c = _config()
+  c.eval.datasets, c.eval.offset = "gsm8k,aime", 40     # AIME 2024 has 30 problems
+  with pytest.raises(config_lib.ConfigError, match="aime's test file has only 30 problems"):
+    run(c, str(tmp_path))
 
 
 def test_per_dataset_models_override_tip_and_dense():

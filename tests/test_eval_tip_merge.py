@@ -69,3 +69,76 @@ def test_merge_refuses_overlaps_other_configs_and_missing_shards(runs, tmp_path)
     merge([runs["a"], str(tmp_path / "c")], str(tmp_path / "x"))
   with pytest.raises(SystemExit, match="error: .*overlap"):
     main(["--out", str(tmp_path / "y"), runs["a"], runs["full"]])
+
+
+def _fake_shard(path, lo, hi, rng, systems=("tip", "dense", "h2o"), teacher_forced=True):
+  """A finished shard's files with varied correctness and live KV (no model needed)."""
+  from selforch_jax.data.sources import load_examples
+  from selforch_jax.eval.tip import question_texts
+  path.mkdir()
+  c = _config(lo, hi - lo)
+  c.eval.systems = ",".join(systems)
+  qs = question_texts(load_examples("synthetic_walk", split="test", max_examples=hi)[lo:], "")
+  rep = {"config": c.to_dict(), "seconds": 1.0, "datasets": {"synthetic_walk": {
+      "n": hi - lo, "subset": [lo, hi], "systems": {s: {"decode_s": 2.0} for s in systems}}}}
+  if teacher_forced:
+    from selforch_jax.eval.tip import TEACHER_FORCED_MEANS, teacher_forced_figures
+    rep["datasets"]["synthetic_walk"]["teacher_forced"] = teacher_forced_figures(
+        {"n": hi - lo, "decode_s": 1.0, **{k: float(rng.uniform(50, 100)) for k in
+                                          TEACHER_FORCED_MEANS}})
+  for s in systems:
+    with open(path / f"tip_synthetic_walk_{s}.jsonl", "w") as f:
+      for q in qs:
+        m = float(rng.uniform(40, 200))
+        f.write(json.dumps({"question": q, "correct": bool(rng.random() < 0.6), "new_tokens": 9,
+                            "mean_live_tokens": m, "peak_live_tokens": int(m) + 20,
+                            "mean_live_bytes": 9 * m, "peak_live_bytes": 9 * m + 9,
+                            "mean_resident_tokens": m, "prompt_tokens": 40,
+                            "budget": None if s in ("tip", "dense") else 60}) + "\n")
+  json.dump(rep, open(path / "tip_eval.json", "w"))
+  return str(path)
+
+
+def test_merge_recomputes_every_figure_from_the_records(tmp_path):
+  import numpy as np
+
+  from selforch_jax.eval.tip import compare_systems, system_summary
+  rng = np.random.default_rng(0)
+  a = _fake_shard(tmp_path / "a", 0, 30, rng)
+  b = _fake_shard(tmp_path / "b", 30, 70, rng)
+  got = merge([b, a], str(tmp_path / "m"))
+  assert got["config"]["eval"]["offset"] == 0 and got["config"]["eval"]["n"] == 70
+  r = got["datasets"]["synthetic_walk"]
+  want = {"n": 70, "systems": {}}
+  correct = {}
+  for s in ("tip", "dense", "h2o"):
+    recs = [json.loads(l) for d in (a, b) for l in open(f"{d}/tip_synthetic_walk_{s}.jsonl")]
+    want["systems"][s] = system_summary(recs, 4.0, 200, 0)
+    correct[s] = np.array([x["correct"] for x in recs], float)
+  compare_systems(want, correct, 200, 0)
+  assert 0.3 < r["systems"]["tip"]["accuracy"]["mean"] < 0.9      # mixed flags, not all 0
+  assert r["systems"] == want["systems"]
+  assert r["tip_minus"] == want["tip_minus"] and r["tip_minus"]["dense"]["mean"] != 0
+  assert r["live_kv_reduction_vs_dense"] == want["live_kv_reduction_vs_dense"]
+  ta = json.load(open(f"{a}/tip_eval.json"))["datasets"]["synthetic_walk"]["teacher_forced"]
+  tb = json.load(open(f"{b}/tip_eval.json"))["datasets"]["synthetic_walk"]["teacher_forced"]
+  tip = (30 * ta["tip_live_kv_mean_tokens"] + 40 * tb["tip_live_kv_mean_tokens"]) / 70
+  dense = (30 * ta["dense_live_kv_mean_tokens"] + 40 * tb["dense_live_kv_mean_tokens"]) / 70
+  assert r["teacher_forced"]["reduction_mean"] == pytest.approx(1 - tip / dense)
+
+
+def test_merge_refuses_foreign_records_partial_teacher_forcing_and_overwriting_a_shard(tmp_path):
+  import numpy as np
+  rng = np.random.default_rng(1)
+  a = _fake_shard(tmp_path / "a", 0, 5, rng)
+  b = _fake_shard(tmp_path / "b", 5, 9, rng)
+  with pytest.raises(ValueError, match="one of the shards"):
+    merge([a, b], a)
+  lines = open(f"{b}/tip_synthetic_walk_dense.jsonl").readlines()
+  open(f"{b}/tip_synthetic_walk_dense.jsonl", "w").writelines(lines[:-1])   # a stale file
+  with pytest.raises(ValueError, match="not the test problems"):
+    merge([a, b], str(tmp_path / "m"))
+  assert not (tmp_path / "m").exists()                                     # nothing written
+  c = _fake_shard(tmp_path / "c", 5, 9, rng, teacher_forced=False)
+  with pytest.raises(ValueError, match="teacher-forced"):
+    merge([a, c], str(tmp_path / "m"))

@@ -1,7 +1,7 @@
 r"""A synthetic long-trace task with a short prompt, for TIP's live-KV target (issue 6, DESIGN.md §6).
 
-A walk: the question is one line, the solution is a long chain of steps where each value dies
-as soon as the next one is written::
+A walk: the question is one line, the solution is a long chain of steps where each value is
+read only by the next step (its live range ends there; the tag two steps later evicts it)::
 
   question:  x0 = 5. Add 7 per step. What is x16 + 4?
   solution:  x1 = 5 + 7 = 12
@@ -22,7 +22,8 @@ the reduction there well below 50% (its reference annotations give about 18%). A
 this task wrapped the values modulo a number from the question; SmolLM2-135M did not learn the
 wrap-around in 160 LoRA steps (dense 0.07, TIP 0.055 exact match, n=200), so the walk only adds.
 
-Knobs (:class:`WalkSpec`): ``min_steps`` / ``max_steps`` (walk length, drawn uniformly),
+The solution has ``steps + 2`` steps: the walk, the sum step and ``#### v``. The offset ``c`` is
+drawn from 1..9. Knobs (:class:`WalkSpec`): ``min_steps`` / ``max_steps`` (walk length, drawn uniformly),
 ``max_start`` (``x0`` in ``[0, max_start]``), ``max_add`` (addend in
 ``[2, max_add]``), ``num_registers`` K.
 

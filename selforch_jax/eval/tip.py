@@ -107,6 +107,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"eval.budget={ec.budget!r} must be 'tip_mean', 'tip_peak' or an integer >= n_sink + 2")
   if min(ec.n, ec.batch_size, ec.max_new_tokens, ec.page_size) < 1 or ec.n_sink < 0:
     raise config_lib.ConfigError("eval.n, batch_size, max_new_tokens, page_size must be >= 1")
+  if ec.offset < 0:
+    raise config_lib.ConfigError(f"eval.offset={ec.offset} must be >= 0")
   if not 0.0 <= ec.recent_ratio < 1.0 or ec.temperature < 0:
     raise config_lib.ConfigError("eval.recent_ratio must be in [0, 1), temperature >= 0")
   from selforch_jax.eval.run import MODEL_DIRS, is_model_dir
@@ -157,18 +159,25 @@ def _load_models(config, paths: dict[str, str], cache: dict) -> dict:
   return models
 
 
+def question_texts(rows, prompt_suffix: str) -> list[str]:
+  """The last user turn of each converted test row, ``prompt_suffix`` added: the ``question``
+  of the per-problem records."""
+  from selforch_jax.data.sources import prompt_and_reference
+  return [prompt_and_reference(r)[0][-1]["content"] + prompt_suffix for r in rows]
+
+
 def _prompts(rows, tok, ec) -> tuple[list[list[int]], list[str], list[str]]:
   """Chat prompts (generation prompt added), reference answers and question texts."""
   from selforch_jax.data.sources import prompt_and_reference
   prompts, refs, questions = [], [], []
-  for r in rows:
+  for r, q in zip(rows, question_texts(rows, ec.prompt_suffix)):
     msgs, ref = prompt_and_reference(r)
-    msgs[-1] = dict(msgs[-1], content=msgs[-1]["content"] + ec.prompt_suffix)
+    msgs[-1] = dict(msgs[-1], content=q)
     if ec.system_prompt:
       msgs.insert(0, {"role": "system", "content": ec.system_prompt})
     prompts.append(tok.encode_chat(msgs, add_generation_prompt=True))
     refs.append(str(r.get("answer", ref)))
-    questions.append(msgs[-1]["content"])
+    questions.append(q)
   return prompts, refs, questions
 
 
@@ -293,19 +302,33 @@ def teacher_forced_live_kv(engine, prompts, solutions, tok, tv, ec) -> dict:
       killed.append(float((lay.kill_at[len(p):] < lay.num_tokens).mean()))
     for o in sched.owners:
       engine.pool.free_owner(int(o))
-  return {"n": len(prompts),
-          "tip_live_kv_mean_tokens": float(np.mean(tip_m)),
-          "tip_live_kv_peak_tokens": float(np.mean(tip_p)),
-          "dense_live_kv_mean_tokens": float(np.mean(den_m)),
-          "dense_live_kv_peak_tokens": float(np.mean(den_p)),
-          "reduction_mean": 1.0 - float(np.mean(tip_m)) / float(np.mean(den_m)),
-          "reduction_peak": 1.0 - float(np.mean(tip_p)) / float(np.mean(den_p)),
-          "response_reduction_mean": 1.0 - float(np.mean(resp_t)) / max(float(np.mean(resp_d)),
-                                                                          1e-9),
-          "tip_response_live_kv_mean_tokens": float(np.mean(resp_t)),
-          "dense_response_live_kv_mean_tokens": float(np.mean(resp_d)),
-          "mean_logprob": float(np.mean(lps)), "killed_share": float(np.mean(killed)),
-          "decode_s": round(secs, 2)}
+  return teacher_forced_figures(
+      {"n": len(prompts), "tip_live_kv_mean_tokens": float(np.mean(tip_m)),
+       "tip_live_kv_peak_tokens": float(np.mean(tip_p)),
+       "dense_live_kv_mean_tokens": float(np.mean(den_m)),
+       "dense_live_kv_peak_tokens": float(np.mean(den_p)),
+       "tip_response_live_kv_mean_tokens": float(np.mean(resp_t)),
+       "dense_response_live_kv_mean_tokens": float(np.mean(resp_d)),
+       "mean_logprob": float(np.mean(lps)), "killed_share": float(np.mean(killed)),
+       "decode_s": round(secs, 2)})
+
+
+TEACHER_FORCED_MEANS = ("tip_live_kv_mean_tokens", "tip_live_kv_peak_tokens",
+                        "dense_live_kv_mean_tokens", "dense_live_kv_peak_tokens",
+                        "tip_response_live_kv_mean_tokens", "dense_response_live_kv_mean_tokens",
+                        "mean_logprob", "killed_share")
+
+
+def teacher_forced_figures(means: dict) -> dict:
+  """``means`` (``n``, ``decode_s`` and the :data:`TEACHER_FORCED_MEANS`: averages over
+  problems) plus the reductions of TIP vs dense computed from them: ``reduction_mean``,
+  ``reduction_peak`` and ``response_reduction_mean`` (``1 - TIP / dense``)."""
+  m = dict(means)
+  m["reduction_mean"] = 1.0 - m["tip_live_kv_mean_tokens"] / m["dense_live_kv_mean_tokens"]
+  m["reduction_peak"] = 1.0 - m["tip_live_kv_peak_tokens"] / m["dense_live_kv_peak_tokens"]
+  m["response_reduction_mean"] = 1.0 - (m["tip_response_live_kv_mean_tokens"]
+                                        / max(m["dense_response_live_kv_mean_tokens"], 1e-9))
+  return m
 
 
 def _budgets(ec, tip_kv: list[dict] | None, n: int) -> list[int]:
@@ -384,7 +407,6 @@ def evaluate_dataset(dataset: str, models: dict, ec, workdir: str) -> dict:
   return out
 
 
-
 def system_summary(recs: list[dict], decode_s: float, n_boot: int, seed: int) -> dict:
   """One system's figures from its per-problem records (the ``tip_<dataset>_<system>.jsonl``
   rows): accuracy with a bootstrap 95% CI and n, live KV (tokens and bytes; means over problems
@@ -436,6 +458,7 @@ def compare_systems(out: dict, correct: dict, n_boot: int, seed: int) -> None:
         "response_mean": 1.0 - (t["live_kv_mean_tokens"] - t["prompt_mean_tokens"])
                          / max(d["live_kv_mean_tokens"] - d["prompt_mean_tokens"], 1e-9)}
 
+
 def plot(out: dict, path: str) -> None:
   """Accuracy (95% CI error bars) vs mean live KV tokens, one panel per dataset."""
   import matplotlib
@@ -467,6 +490,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   cache: dict = {}
   out = {"config": config.to_dict(), "tip_source": config.tip or config.model.weights,
          "dense_source": config.dense or config.tip or config.model.weights, "datasets": {}}
+  from selforch_jax.data.sources import load_examples
+  for d in _list(ec.datasets):  # a shard's offset past a test file's end fails before any work
+    have = len(load_examples(d, split="test", max_examples=ec.offset + 1))
+    if have <= ec.offset:
+      raise config_lib.ConfigError(
+          f"eval.offset={ec.offset}: {d}'s test file has only {have} problems")
   # every model loaded (and checked) before any dataset runs
   runs = []
   for d in _list(ec.datasets):

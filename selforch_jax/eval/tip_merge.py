@@ -4,20 +4,23 @@ A TIP eval's cost grows with problems x systems x tokens; on a machine with seve
 hosts, run it as shards with the same config and contiguous ``eval.offset`` / ``eval.n`` ranges,
 then merge::
 
-  python -m selforch_jax.eval --config=configs/eval_tip.py:n=50,datasets=synthetic_walk \
-      --config.eval.offset=0 --workdir=out/walk_a &
-  python -m selforch_jax.eval --config=configs/eval_tip.py:n=50,datasets=synthetic_walk \
-      --config.eval.offset=50 --workdir=out/walk_b &
+  python -m selforch_jax.eval --config=configs/eval_tip.py:n=50,offset=0,datasets=synthetic_walk \
+      --workdir=out/walk_a &
+  python -m selforch_jax.eval --config=configs/eval_tip.py:n=50,offset=50,datasets=synthetic_walk \
+      --workdir=out/walk_b &
   wait
   python -m selforch_jax.eval.tip_merge --out=out/walk out/walk_a out/walk_b
 
-The merged ``tip_eval.json`` is what one run over the union would report: every figure is
-recomputed from the shards' per-problem records (accuracy CIs, paired differences TIP - each
-system, live KV, the reduction vs dense), decode seconds are summed, and the teacher-forced
-figures are averaged weighted by each shard's n. Greedy decoding (or the same seed) makes a
-problem's output independent of its shard, except for batch composition (a problem is decoded
-beside different neighbours, which changes float rounding only). Also writes the merged per-problem
-JSONL files and the plot.
+The merged ``tip_eval.json`` reports what one run over the union would, given the same outputs:
+every figure is recomputed from the shards' per-problem records (accuracy CIs, paired
+differences TIP - each system, live KV, the reduction vs dense), decode seconds are summed
+(``shard_seconds`` keeps each shard's wall time), the teacher-forced figures are averaged
+weighted by each shard's n, and ``config.eval`` gets the union's offset and n. The outputs
+themselves can differ from one run's: with greedy decoding a problem is decoded beside other
+neighbours in its batch, which changes float rounding and can, rarely, flip an argmax; when
+sampling, each decode step draws one key for the whole batch, so a problem's sample depends on
+its place in the batch unless shard offsets are multiples of ``eval.batch_size``. Also writes the
+merged per-problem JSONL files and the plot.
 """
 
 from __future__ import annotations
@@ -28,14 +31,12 @@ import os
 
 import numpy as np
 
-from selforch_jax.eval.tip import compare_systems, plot, summary, system_summary
+from selforch_jax.eval.tip import (
+    TEACHER_FORCED_MEANS, compare_systems, plot, question_texts, summary, system_summary,
+    teacher_forced_figures,
+)
 
 __all__ = ["merge", "main"]
-
-_TF_MEANS = ("tip_live_kv_mean_tokens", "tip_live_kv_peak_tokens", "dense_live_kv_mean_tokens",
-             "dense_live_kv_peak_tokens", "tip_response_live_kv_mean_tokens",
-             "dense_response_live_kv_mean_tokens", "mean_logprob", "killed_share")
-
 
 def _same_config(a: dict, b: dict) -> bool:
   strip = lambda c: {**c, "eval": {k: v for k, v in c["eval"].items()  # noqa: E731
@@ -43,17 +44,36 @@ def _same_config(a: dict, b: dict) -> bool:
   return strip(a) == strip(b)
 
 
-def _merge_teacher_forced(parts: list[dict]) -> dict:
-  n = np.array([p["n"] for p in parts], np.float64)
-  out = {"n": int(n.sum())}
-  for k in _TF_MEANS:
-    out[k] = float(np.dot(n, [p[k] for p in parts]) / n.sum())
-  out["reduction_mean"] = 1.0 - out["tip_live_kv_mean_tokens"] / out["dense_live_kv_mean_tokens"]
-  out["reduction_peak"] = 1.0 - out["tip_live_kv_peak_tokens"] / out["dense_live_kv_peak_tokens"]
-  out["response_reduction_mean"] = 1.0 - (out["tip_response_live_kv_mean_tokens"]
-                                          / max(out["dense_response_live_kv_mean_tokens"], 1e-9))
-  out["decode_s"] = round(sum(p["decode_s"] for p in parts), 2)
-  return out
+def _merge_teacher_forced(ds: str, parts: list[tuple[str, dict]]) -> dict | None:
+  have = [d for d, p in parts if "teacher_forced" in p]
+  if not have:
+    return None
+  if len(have) != len(parts):
+    raise ValueError(f"{ds}: only {have} of the shards have teacher-forced figures")
+  tfs = []
+  for d, p in parts:
+    missing = [k for k in TEACHER_FORCED_MEANS if k not in p["teacher_forced"]]
+    if missing:
+      raise ValueError(f"{d}: teacher-forced figures lack {missing} (written by an older "
+                       "version: re-run that shard)")
+    tfs.append(p["teacher_forced"])
+  n = np.array([t["n"] for t in tfs], np.float64)
+  means = {k: float(np.dot(n, [t[k] for t in tfs]) / n.sum()) for k in TEACHER_FORCED_MEANS}
+  return teacher_forced_figures({"n": int(n.sum()), **means,
+                                 "decode_s": round(sum(t["decode_s"] for t in tfs), 2)})
+
+
+def _records(d: str, ds: str, system: str, part: dict, questions: list[str]) -> list[dict]:
+  """A shard's records of one system, checked against its report and the test file."""
+  path = os.path.join(d, f"tip_{ds}_{system}.jsonl")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{d}: no {os.path.basename(path)}")
+  with open(path, encoding="utf-8") as f:
+    recs = [json.loads(line) for line in f if line.strip()]
+  if [r["question"] for r in recs] != questions:
+    raise ValueError(f"{path}: its {len(recs)} records are not the test problems "
+                     f"{part['subset']} of {ds} (a stale or foreign records file, or other data)")
+  return recs
 
 
 def merge(shard_dirs: list[str], out_dir: str) -> dict:
@@ -68,12 +88,16 @@ def merge(shard_dirs: list[str], out_dir: str) -> dict:
 
   Raises:
     FileNotFoundError: a shard without ``tip_eval.json`` or a records file.
-    ValueError: fewer than two shards; shards whose configs differ beyond ``eval.offset`` /
-      ``eval.n``, that cover different datasets or systems, or whose problem ranges overlap or
-      leave a gap.
+    ValueError: fewer than two shards; ``out_dir`` is one of them; shards whose configs differ
+      beyond ``eval.offset`` / ``eval.n``, that cover different datasets or systems, or whose
+      problem ranges overlap or leave a gap; records that are not the test file's problems of
+      their shard's range; teacher-forced figures in only some shards.
   """
+  from selforch_jax.data.sources import load_examples
   if len(shard_dirs) < 2:
     raise ValueError(f"merge needs at least two shard directories, got {len(shard_dirs)}")
+  if os.path.realpath(out_dir) in {os.path.realpath(d) for d in shard_dirs}:
+    raise ValueError(f"--out={out_dir} is one of the shards: the merge would overwrite it")
   shards = []
   for d in shard_dirs:
     path = os.path.join(d, "tip_eval.json")
@@ -87,11 +111,12 @@ def merge(shard_dirs: list[str], out_dir: str) -> dict:
       raise ValueError(f"{d}: its config differs from {shard_dirs[0]}'s beyond eval.offset/n")
     if list(s["datasets"]) != list(first["datasets"]):
       raise ValueError(f"{d}: datasets {list(s['datasets'])} != {list(first['datasets'])}")
-  os.makedirs(out_dir, exist_ok=True)
   ec = first["config"]["eval"]
+  merged: dict[str, list[dict]] = {}   # records file name -> records, written once all is checked
   out = {k: v for k, v in first.items() if k not in ("datasets", "seconds")}
   out["shards"] = [d for d, _ in shards]
-  out["seconds"] = round(sum(s.get("seconds", 0.0) for _, s in shards), 1)
+  out["shard_seconds"] = [s.get("seconds", 0.0) for _, s in shards]
+  out["seconds"] = round(sum(out["shard_seconds"]), 1)   # summed: shards may run in parallel
   out["datasets"] = {}
   for ds in first["datasets"]:
     parts = sorted(((d, s["datasets"][ds]) for d, s in shards), key=lambda x: x[1]["subset"][0])
@@ -107,25 +132,31 @@ def merge(shard_dirs: list[str], out_dir: str) -> dict:
            "subset": [parts[0][1]["subset"][0], parts[-1][1]["subset"][1]], "systems": {}}
     if "models" in parts[0][1]:
       res["models"] = parts[0][1]["models"]
-    if all("teacher_forced" in p for _, p in parts):
-      res["teacher_forced"] = _merge_teacher_forced([p["teacher_forced"] for _, p in parts])
+    tf = _merge_teacher_forced(ds, parts)
+    if tf is not None:
+      res["teacher_forced"] = tf
+    rows = load_examples(ds, split="test", max_examples=res["subset"][1])
+    questions = {d: question_texts(rows[p["subset"][0]:p["subset"][1]], ec["prompt_suffix"])
+                 for d, p in parts}
     correct = {}
     for system in systems:
       recs = []
-      for d, _ in parts:
-        path = os.path.join(d, f"tip_{ds}_{system}.jsonl")
-        if not os.path.exists(path):
-          raise FileNotFoundError(f"{d}: no {os.path.basename(path)}")
-        with open(path, encoding="utf-8") as f:
-          recs += [json.loads(line) for line in f if line.strip()]
-      with open(os.path.join(out_dir, f"tip_{ds}_{system}.jsonl"), "w", encoding="utf-8") as f:
-        for r in recs:
-          f.write(json.dumps(r, ensure_ascii=False) + "\n")
+      for d, p in parts:
+        recs += _records(d, ds, system, p, questions[d])
+      merged[f"tip_{ds}_{system}.jsonl"] = recs
       decode_s = sum(p["systems"][system]["decode_s"] for _, p in parts)
       res["systems"][system] = system_summary(recs, decode_s, ec["n_boot"], ec["seed"])
       correct[system] = np.array([r["correct"] for r in recs], np.float64)
     compare_systems(res, correct, ec["n_boot"], ec["seed"])
     out["datasets"][ds] = res
+  spans = [r["subset"] for r in out["datasets"].values()]
+  out["config"]["eval"]["offset"] = min(a for a, _ in spans)
+  out["config"]["eval"]["n"] = max(b - a for a, b in spans)
+  os.makedirs(out_dir, exist_ok=True)
+  for name, recs in merged.items():
+    with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+      for r in recs:
+        f.write(json.dumps(r, ensure_ascii=False) + "\n")
   plot(out, os.path.join(out_dir, "tip_accuracy_vs_live_kv.png"))
   with open(os.path.join(out_dir, "tip_eval.json"), "w") as f:
     json.dump(out, f, indent=2)
