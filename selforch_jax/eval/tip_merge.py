@@ -165,9 +165,13 @@ def merge(shard_dirs: list[str], out_dir: str) -> dict:
 
 def main(argv=None) -> None:
   """CLI: ``python -m selforch_jax.eval.tip_merge --out=DIR SHARD_DIR SHARD_DIR ...``."""
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--out", required=True, help="directory for the merged report")
-  ap.add_argument("shards", nargs="+", help="TIP eval workdirs over contiguous problem ranges")
+  ap = argparse.ArgumentParser(
+      prog="python -m selforch_jax.eval.tip_merge",
+      description="Merge TIP evals run as shards over disjoint, contiguous problem ranges into one "
+                  "report: tip_eval.json, the per-problem tip_<dataset>_<system>.jsonl files and "
+                  "tip_accuracy_vs_live_kv.png in --out.")
+  ap.add_argument("--out", required=True, help="directory for the merged report (not a shard)")
+  ap.add_argument("shards", nargs="+", help="two or more finished TIP eval workdirs")
   a = ap.parse_args(argv)
   try:
     print(summary(merge(a.shards, a.out)))
