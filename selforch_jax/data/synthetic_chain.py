@@ -72,11 +72,9 @@ class ChainSpec:
   num_registers: int = 8
 
   def __post_init__(self):
-    for name, ok in (("num_vars", 2 <= self.num_vars <= 26), ("fan_in", 1 <= self.fan_in <= 3),
-                     ("max_value", self.max_value >= 9), ("p_const", 0 <= self.p_const < 1),
-                     ("window", self.window >= 1), ("num_registers", self.num_registers >= 1)):
-      if not ok:
-        raise ValueError(f"ChainSpec.{name}={getattr(self, name)!r} is out of range")
+    check_knobs(self, num_vars=2 <= self.num_vars <= 26, fan_in=1 <= self.fan_in <= 3,
+                max_value=self.max_value >= 9, p_const=0 <= self.p_const < 1,
+                window=self.window >= 1, num_registers=self.num_registers >= 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +106,14 @@ class ChainProblem:
     return {"question": self.question, "solution": self.solution, "annotated": self.annotated,
             "answer": str(self.answer), "uses": [list(u) for u in self.uses],
             "registers": list(self.registers)}
+
+
+def check_knobs(spec, **ok: bool) -> None:
+  """Raises ``ValueError`` naming the first knob of ``spec`` (a task spec dataclass) whose check
+  in ``ok`` (knob name -> in range) is False."""
+  for name, good in ok.items():
+    if not good:
+      raise ValueError(f"{type(spec).__name__}.{name}={getattr(spec, name)!r} is out of range")
 
 
 def _apply(a: int, op: str, b: int) -> int:

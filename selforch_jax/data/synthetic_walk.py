@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from selforch_jax.data.synthetic_chain import check_knobs
 from selforch_jax.lang.registers import linear_scan, tag_steps
 
 __all__ = ["WalkSpec", "generate_walk", "generate_walk_split", "walk_values", "SPLIT_SEEDS",
@@ -74,11 +75,9 @@ class WalkSpec:
   num_registers: int = 8
 
   def __post_init__(self):
-    for name, ok in (("min_steps", 2 <= self.min_steps <= self.max_steps),
-                     ("max_start", self.max_start >= 0), ("max_add", self.max_add >= 2),
-                     ("num_registers", self.num_registers >= 2)):
-      if not ok:
-        raise ValueError(f"WalkSpec.{name}={getattr(self, name)!r} is out of range")
+    check_knobs(self, min_steps=2 <= self.min_steps <= self.max_steps,
+                max_start=self.max_start >= 0, max_add=self.max_add >= 2,
+                num_registers=self.num_registers >= 2)
 
 
 def walk_values(start: int, add: int, steps: int) -> list[int]:
