@@ -14,7 +14,7 @@ from selforch_jax.decoding.sampling import SamplingParams
 from selforch_jax.models.config import get_preset
 from selforch_jax.models.transformer import KVCache, init_model
 from selforch_jax.runtime import ar
-from selforch_jax.runtime.engine import Engine, bucket_size
+from selforch_jax.runtime.engine import Engine, bucket_size, key_window, key_windows
 from selforch_jax.runtime.kv_pool import PoolExhausted
 from selforch_jax.runtime.mask import SegmentTable
 from selforch_jax.runtime.scheduler import Scheduler, StepPlan, execute, run
@@ -69,6 +69,32 @@ def test_ar_through_engine_equals_generator(model, gen, sampling):
   assert eng.num_steps == len(PROMPTS) + 19
   assert eng.pool.live_tokens == 0 and eng.pool.num_free_pages == 16  # all released
   assert eng.pool.peak_live_tokens <= sum(len(p) for p in PROMPTS) + 4 * 19
+
+
+def test_key_window_covers_the_used_slots_and_equals_full_attention(model, gen):
+  """A pool of 640 slots: steps attend over a key window of 256 or 512 slots (the used pages
+  are packed at the front); the tokens and log-probs equal the foundation's decode."""
+  assert key_windows(640) == [256, 512, 640] and key_windows(100) == [100]
+  mask = np.zeros((2, 640), bool)
+  assert key_window(mask) == 256                       # nothing visible: the shortest window
+  mask[1, 256] = True
+  assert key_window(mask) == 512
+  mask[0, 639] = True
+  assert key_window(mask) == 640
+  prompts = [list(range(7, 107)), list(range(150, 240)), list(range(20, 120))]   # 290 tokens
+  eng = Engine(model, num_pages=40, page_size=16)
+  sp = SamplingParams(temperature=1.0, seed=5)
+  ref, _ = gen.generate(prompts, max_new_tokens=10, sampling=sp)
+  out = ar.generate(eng, prompts, max_new_tokens=10, sampling=sp)
+  for a, b in zip(ref, out):
+    assert b.token_ids == a.token_ids
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+  assert 512 in eng.windows_used and 640 not in eng.windows_used   # 22 pages used: < 512 slots
+  # everything freed: a short prompt gets the lowest pages again, so a 256-slot window
+  eng.windows_used.clear()
+  ref, _ = gen.generate(PROMPTS[:1], max_new_tokens=10, sampling=sp)
+  out = ar.generate(eng, PROMPTS[:1], max_new_tokens=10, sampling=sp)
+  assert out[0].token_ids == ref[0].token_ids and eng.windows_used == {256}
 
 
 def test_ar_single_prompts_and_pool_reuse(model, gen):

@@ -81,6 +81,19 @@ def test_evict_frees_whole_dead_pages_which_are_reused():
   pool.check_invariants()
 
 
+def test_new_pages_are_the_lowest_free_ones():
+  """The free list is a min-heap: whatever order pages are freed in, a new page is the
+  lowest-numbered free one, so used slots stay packed at the front of the pool."""
+  pool = KVPool(num_pages=6, page_size=2)
+  for o in range(6):
+    _write(pool, pool.allocate(o, 2), seg=o)
+  pool.free_owner(4)
+  pool.free_owner(1)
+  pool.free_pages([3])
+  assert [pool.allocate(10 + i, 2)[0] // 2 for i in range(3)] == [1, 3, 4]
+  pool.check_invariants()
+
+
 def test_evict_keeps_owners_partly_filled_last_page():
   pool = KVPool(num_pages=2, page_size=4)
   s = pool.allocate(0, 2)

@@ -17,7 +17,7 @@ from selforch_jax.models.transformer import KVCache, init_model
 from selforch_jax.runtime import ar
 from selforch_jax.runtime.annotated import random_annotated
 from selforch_jax.runtime.engine import Engine
-from selforch_jax.runtime.kv_pool import ALIVE
+from selforch_jax.runtime.kv_pool import ALIVE, FREE
 from selforch_jax.runtime.registry import make_scheduler
 from selforch_jax.runtime.scheduler import execute, run
 from selforch_jax.runtime.tip import TIPScheduler
@@ -161,11 +161,20 @@ def _run_forced(model, perturb_slots_after_kill: str | None, num_pages=8):
     sched.on_step(plan, res)
     fed = len(pol.slot_of)
     if fed == 13:                                   # the killing <reg_0> just ran
-      released_at_kill = set(before[pol.regs._owner_of[3]])
-      assert all(engine.pool.page_owner[p] == -1 for p in released_at_kill)
+      dead_owner = pol.regs._owner_of[3]
+      released_at_kill = set(before[dead_owner])
+      # released: no longer step A's (the pool hands out the lowest free page first, so the
+      # killing step's own fresh page may already be one of them)
+      assert all(engine.pool.page_owner[p] != dead_owner for p in released_at_kill)
+      assert not engine.pool.page_table(dead_owner).size
       if perturb_slots_after_kill:
         idx = range(3, 9) if perturb_slots_after_kill == "dead" else range(9, 12)
         slots = np.asarray([pol.slot_of[j] for j in idx])
+        if perturb_slots_after_kill == "dead":
+          # the lowest freed page is already the killing step's fresh page (its slots hold the
+          # new step now); perturb the dead slots that are still free
+          slots = slots[engine.pool.state[slots] == FREE]
+          assert slots.size >= 2
         L, K, Dh = model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim
         big = jnp.full((L, slots.size, K, Dh), 1e3, jnp.float32)
         engine.cache = KVCache(k=engine.cache.k.at[:, 0, slots].set(big),

@@ -60,6 +60,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
@@ -146,24 +147,27 @@ def make_engine(model, num_slots: int, page_size: int):
 
 
 def warm_up(engine, max_T: int, constraint_ids=None) -> None:
-  """Compile every step size up to ``max_T`` (powers of two), and PASTA's greedy sampling of as
-  many rows (also constrained to the tag grammar over ``constraint_ids`` when given:
+  """Compile every step size up to ``max_T`` (powers of two) at every key window, and PASTA's
+  greedy sampling of as many rows (also constrained to the tag grammar over ``constraint_ids`` when given:
   :func:`pasta_constraint_ids`), so timed runs exclude compiles; resets the engine's step
   counters."""
   from selforch_jax.decoding.sampling import SamplingParams
   from selforch_jax.runtime.engine import bucket_size
   from selforch_jax.runtime.pasta import sample_rows
   S = engine.num_slots
+  sizes = []
   T = 1
   while T <= min(bucket_size(max_T), S):
-    logits = engine.step(np.zeros(T, np.int32), np.zeros(T, np.int32),
-                         np.arange(T, dtype=np.int32), np.zeros((T, S), bool))
+    sizes.append(T)
+    T *= 2
+  engine.warm_up(sizes)  # every step size at every key window
+  for T in sizes:
+    logits = jnp.zeros((T, engine.cfg.vocab_size), jnp.float32)
     sample_rows(logits, np.arange(T), jax.random.PRNGKey(0), 0, SamplingParams())
     if constraint_ids is not None:
       G = len(constraint_ids)
       sample_rows(logits, np.arange(T), jax.random.PRNGKey(0), 0, SamplingParams(),
                   (constraint_ids, np.zeros((T, G), bool), np.zeros(T, bool)))
-    T *= 2
   engine.num_steps = engine.num_query_tokens = 0
 
 

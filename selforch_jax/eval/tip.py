@@ -189,21 +189,10 @@ def pages_per_request(prompt_len: int, max_new: int, page_size: int, num_registe
 
 def _warm_up(engine, prompt_lens, batch: int, attn_mass: bool = True) -> None:
   """Compile every program the runs will use (without and, with ``attn_mass``, with the
-  attention mass H2O reads; the prefill buckets of these prompts and decode buckets 1..batch),
-  so the timed runs exclude compiles."""
-  from selforch_jax.runtime.engine import bucket_size
-  S = engine.num_slots
-  sizes = sorted({bucket_size(n) for n in prompt_lens} | {bucket_size(b) for b in
-                                                        range(1, batch + 1)})
-  was = engine.record_attn_mass
-  for mode in (False, True) if attn_mass else (False,):
-    engine.record_attn_mass = mode
-    for T in sizes:
-      T = min(T, S)
-      engine.step(np.zeros(T, np.int32), np.zeros(T, np.int32), np.arange(T, dtype=np.int32),
-                  np.zeros((T, S), bool))
-  engine.record_attn_mass = was
-  engine.num_steps = engine.num_query_tokens = 0
+  attention mass H2O reads; the prefill buckets of these prompts and decode buckets 1..batch,
+  at every key window: :meth:`Engine.warm_up`), so the timed runs exclude compiles."""
+  engine.warm_up(list(prompt_lens) + list(range(1, batch + 1)),
+                 (False, True) if attn_mass else (False,))
 
 
 def run_system(system: str, engine, prompts, tv, ec, stop_ids, budgets=None) -> dict:

@@ -209,7 +209,7 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
                kv_cache: KVCache | None = None, cache_index: jax.Array | int | None = None,
                *, write_slots: jax.Array | None = None, return_hidden: bool = False,
-               return_attn_mass: bool = False) -> tuple:
+               return_attn_mass: bool = False, key_len: int | None = None) -> tuple:
     """Forward pass.
 
     Args:
@@ -232,6 +232,11 @@ class Transformer(nnx.Module):
       return_attn_mass: also return float32 ``[B, S]``, the attention probabilities each key
         received, summed over layers, heads and the T queries (H2O's accumulated attention
         score, Zhang et al. 2023). Off by default (then the program is unchanged).
+      key_len: with a cache, attend over its first ``key_len`` slots only (a static Python
+        int in ``[1, max_len]``; the writes still go to any slot): ``mask`` and the attention
+        mass are then ``[B, T, key_len]`` / ``[B, key_len]``. The engine passes the bucketed
+        end of the slots its step can see, so a pool with its used pages packed at the front
+        costs attention over that prefix, not over the whole pool. None = every slot.
 
     Returns:
       ``(logits [B, T, V] float32, new_cache)`` (``new_cache`` is None without a cache);
@@ -243,6 +248,10 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     B, T = tokens.shape
     S = kv_cache.max_len if kv_cache is not None else T
+    if key_len is not None:
+      if kv_cache is None or not 1 <= int(key_len) <= S:
+        raise ValueError(f"key_len={key_len} needs a kv_cache and 1 <= key_len <= {S}")
+      S = int(key_len)
     if positions.shape != (B, T):
       raise ValueError(f"positions shape {positions.shape} != tokens shape {(B, T)}")
     if mask.shape != (B, T, S):
@@ -268,15 +277,21 @@ class Transformer(nnx.Module):
       q = apply_rope(q, positions, inv_freq)
       k = apply_rope(k, positions, inv_freq)
       if cache_kv is not None:
-        ck, cv = cache_kv
+        # writes and reads go straight to layer i of the stacked cache [L, B, max_len, K, Dh]
+        # (no copy of the layer's whole row), and attention reads the first S slots only
+        ck, cv, i = cache_kv
         if write_slots is None:
-          ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
-          cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
+          at = (i, 0, cache_index, 0, 0)
+          ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
+          cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
         else:
           rows = jnp.arange(B)[:, None]
-          ck = ck.at[rows, write_slots].set(k.astype(ck.dtype))
-          cv = cv.at[rows, write_slots].set(v.astype(cv.dtype))
-        keys, values, cache_kv = ck, cv, (ck, cv)
+          ck = ck.at[i, rows, write_slots].set(k.astype(ck.dtype))
+          cv = cv.at[i, rows, write_slots].set(v.astype(cv.dtype))
+        size = (1, B, S) + ck.shape[3:]
+        keys = jax.lax.dynamic_slice(ck, (i, 0, 0, 0, 0), size)[0]
+        values = jax.lax.dynamic_slice(cv, (i, 0, 0, 0, 0), size)[0]
+        cache_kv = (ck, cv)
       else:
         keys, values = k, v
       if callable(mask):  # an attention backend, e.g. runtime.paged_backend.PagedAttentionMask
@@ -307,9 +322,7 @@ class Transformer(nnx.Module):
       def body(carry, xs):
         x, ck_all, cv_all = carry
         p, i = xs
-        x, (ck, cv), mass = layer(x, p, (ck_all[i], cv_all[i]))
-        ck_all = jax.lax.dynamic_update_index_in_dim(ck_all, ck, i, axis=0)
-        cv_all = jax.lax.dynamic_update_index_in_dim(cv_all, cv, i, axis=0)
+        x, (ck_all, cv_all), mass = layer(x, p, (ck_all, cv_all, i))
         return (x, ck_all, cv_all), mass
       (x, k_all, v_all), masses = jax.lax.scan(
           body, (x, kv_cache.k, kv_cache.v), (params, jnp.arange(cfg.num_layers)))

@@ -8,15 +8,20 @@ query tokens against the pool::
 
   step(tokens[T], positions[T], write_slots[T], mask[T, S]) -> logits[T, V]
 
-It writes the T new K/V into ``write_slots`` and attends over all S slots with ``mask``:
-on CPU the model's dense-mask jnp attention (the reference path; DESIGN.md §2.3), on a GPU the
+It writes the T new K/V into ``write_slots`` and attends with ``mask``: on CPU the model's
+dense-mask jnp attention (the reference path; DESIGN.md §2.3) over the step's *key window*, the
+first ``W`` slots, where ``W`` is the end of the last slot any query may see, rounded up to a
+power of two (at least :data:`KEY_WINDOW_MIN`, at most S; the pool hands out the lowest free
+page first, so used slots stay packed at the front and a pool that evicts, like TIP's, keeps a
+short window); on a GPU the
 Pallas paged kernel over the pool's alive bits and segment metadata
 (:mod:`~selforch_jax.runtime.paged_backend`; ``Engine(attention=...)`` chooses). T is padded to
 a power of two (1, 2, 4, 8, ...), so a run compiles at most ``log2(T_max) + 1`` programs;
 padding queries write to out-of-range slots (XLA scatter drops out-of-bounds updates) and
 see nothing. The KV cache is donated, so the pool is updated in place. The jitted function
 lives at module level with the graphdef static: engines over models of the same structure and
-the same S share every compiled program.
+the same S share every compiled program (one per step bucket and key window;
+:meth:`Engine.warm_up` compiles them all ahead of timed runs).
 
 :meth:`Engine.run_step` is what schedulers use: it allocates slots per owner, records the
 queries' metadata, builds the mask with :func:`~selforch_jax.runtime.mask.step_mask` (the
@@ -28,6 +33,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -39,24 +45,33 @@ from selforch_jax.runtime.paged_backend import (
 )
 
 
+KEY_WINDOW_MIN = 256  # slots: the shortest key window (smaller pools use all their slots)
+
+
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _jitted_step(graphdef, state, cache, tokens, positions, write_slots, mask):
-  """The engine step (module level, so engines of the same model structure share compiles)."""
+  """The engine step (module level, so engines of the same model structure share compiles);
+  a dense ``mask [T, W]`` attends over the first W slots (the key window)."""
   model = nnx.merge(graphdef, state)
-  mask = mask if isinstance(mask, PagedAttentionMask) else mask[None]
-  logits, cache = model(tokens[None], positions[None], mask, cache,
-                        write_slots=write_slots[None])
+  if isinstance(mask, PagedAttentionMask):
+    logits, cache = model(tokens[None], positions[None], mask, cache,
+                          write_slots=write_slots[None])
+  else:
+    logits, cache = model(tokens[None], positions[None], mask[None], cache,
+                          write_slots=write_slots[None], key_len=mask.shape[1])
   return logits[0], cache
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _jitted_step_attn_mass(graphdef, state, cache, tokens, positions, write_slots, mask):
   """:func:`_jitted_step` that also returns float32 ``[S]``: the attention mass each slot got
-  in this step, summed over layers, heads and queries (H2O's accumulated attention)."""
+  in this step, summed over layers, heads and queries (H2O's accumulated attention; 0 past the
+  key window)."""
   model = nnx.merge(graphdef, state)
+  W = mask.shape[1]
   logits, cache, mass = model(tokens[None], positions[None], mask[None], cache,
-                              write_slots=write_slots[None], return_attn_mass=True)
-  return logits[0], cache, mass[0]
+                              write_slots=write_slots[None], return_attn_mass=True, key_len=W)
+  return logits[0], cache, jnp.pad(mass[0], (0, cache.max_len - W))
 
 
 def bucket_size(n: int) -> int:
@@ -64,6 +79,25 @@ def bucket_size(n: int) -> int:
   if n < 1:
     raise ValueError(f"a step needs at least one query token, got {n}")
   return 1 << (int(n) - 1).bit_length()
+
+
+def key_windows(num_slots: int) -> list[int]:
+  """Every key window a pool of ``num_slots`` slots can use, ascending: the powers of two from
+  :data:`KEY_WINDOW_MIN` below ``num_slots``, then ``num_slots``."""
+  out, w = [], KEY_WINDOW_MIN
+  while w < num_slots:
+    out.append(w)
+    w *= 2
+  return out + [int(num_slots)]
+
+
+def key_window(mask: np.ndarray) -> int:
+  """The key window of a step: the smallest of :func:`key_windows` that holds every slot a
+  query of ``mask`` (bool ``[T, S]``) may see."""
+  S = mask.shape[1]
+  seen = np.flatnonzero(mask.any(axis=0))
+  end = int(seen[-1]) + 1 if seen.size else 1
+  return min(bucket_size(max(end, KEY_WINDOW_MIN)), S)
 
 
 class Engine:
@@ -89,7 +123,8 @@ class Engine:
     (``k, v: [L, 1, S, Hkv, Dh]`` in ``cfg.dtype``). num_slots: ``S``.
     num_steps / num_query_tokens: steps run and real (unpadded) query tokens processed.
     buckets_used: the padded step sizes this engine has run (each compiled once per model
-    structure and S, shared by all engines).
+    structure, S and key window, shared by all engines). windows_used: the key windows
+    (:func:`key_window`) of its dense-mask steps.
     last_attn_mass: float32 ``[S]`` device array of the latest step when
     ``record_attn_mass`` (padding queries add nothing), else None.
 
@@ -119,6 +154,7 @@ class Engine:
     self.num_steps = 0
     self.num_query_tokens = 0
     self.buckets_used: set[int] = set()
+    self.windows_used: set[int] = set()
 
   def step(self, tokens, positions, write_slots, mask) -> jax.Array:
     """Run T query tokens against the pool, writing their K/V into ``write_slots``.
@@ -164,8 +200,10 @@ class Engine:
       positions = np.concatenate([positions, np.zeros(pad, np.int32)])
       # out-of-range slots: the scatter drops these writes (mode FILL_OR_DROP)
       write_slots = np.concatenate([write_slots, S + np.arange(pad, dtype=np.int32)])
-      if not paged:
-        mask = np.concatenate([mask, np.zeros((pad, S), bool)])
+    if not paged:
+      W = key_window(mask)
+      mask = mask[:, :W] if Tb == T else np.concatenate([mask[:, :W], np.zeros((Tb - T, W), bool)])
+      self.windows_used.add(W)
     if self.record_attn_mass:
       logits, self.cache, self.last_attn_mass = _jitted_step_attn_mass(
           self.graphdef, self.state, self.cache, tokens, positions, write_slots, mask)
@@ -177,6 +215,28 @@ class Engine:
     self.num_steps += 1
     self.num_query_tokens += T
     return logits[:T] if Tb != T else logits
+
+  def warm_up(self, sizes, attn_mass: tuple[bool, ...] = (False,)) -> None:
+    """Compile the step programs timed runs will use: every padded size of ``sizes`` (query
+    counts; those above S are dropped) at every key window (:func:`key_windows`), without and,
+    if ``True in attn_mass``, with the attention mass. Writes only to slots no query sees
+    (every slot stays FREE in the pool); resets the step counters.
+    """
+    S = self.num_slots
+    was = self.record_attn_mass
+    sizes = sorted({bucket_size(n) for n in sizes if 1 <= n <= S})
+    try:
+      for mode in attn_mass:
+        self.record_attn_mass = bool(mode)
+        for T in sizes:
+          for W in key_windows(S) if self.attention == "reference" else [S]:
+            mask = np.zeros((T, S), bool)
+            mask[0, W - 1] = True
+            self.step(np.zeros(T, np.int32), np.zeros(T, np.int32),
+                      np.arange(T, dtype=np.int32), mask)
+    finally:
+      self.record_attn_mass = was
+    self.num_steps = self.num_query_tokens = 0
 
   # --- what schedulers call ----------------------------------------------------------------
   def allocate(self, owners) -> np.ndarray:
@@ -263,5 +323,5 @@ class Engine:
     """Steps, tokens, buckets compiled and the pool's live-KV figures."""
     return dict(num_steps=self.num_steps, num_query_tokens=self.num_query_tokens,
                 tokens_per_step=self.num_query_tokens / max(self.num_steps, 1),
-                buckets_used=sorted(self.buckets_used),
+                buckets_used=sorted(self.buckets_used), windows_used=sorted(self.windows_used),
                 **self.pool.stats())

@@ -8,7 +8,9 @@ models; eviction is the project's addition, DESIGN.md §2):
 
 * a **free list** of pages and one **page table** per owner (a sequence or a thread):
   the pages the owner writes into, in order; an owner fills its last page before it takes
-  a new one;
+  a new one, and a new page is always the lowest-numbered free one (a min-heap), so the used
+  slots stay packed at the front of the pool and the engine attends over a short prefix
+  (:meth:`selforch_jax.runtime.engine.Engine.step`'s key window);
 * **per-slot metadata** (numpy, length ``S``): ``state`` (FREE / RESERVED / ALIVE / DEAD),
   ``position`` (RoPE id), ``segment`` (segment id, DESIGN.md §2), ``order`` (decode index,
   the causal order inside a segment) and ``owner``;
@@ -28,7 +30,7 @@ Exhaustion is never a silent overwrite: :meth:`KVPool.allocate` raises
 
 from __future__ import annotations
 
-import collections
+import heapq
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -91,7 +93,7 @@ class KVPool:
     self.order = np.full(S, -1, np.int64)
     self.owner = np.full(S, -1, np.int32)
     self.page_owner = np.full(self.num_pages, -1, np.int32)
-    self._free: collections.deque[int] = collections.deque(range(self.num_pages))
+    self._free: list[int] = list(range(self.num_pages))  # a min-heap of free pages
     self._tables: dict[int, list[int]] = {}
     self._fill: dict[int, int] = {}  # owner -> slots used in its last page (0..P)
     self.peak_live_tokens = 0
@@ -199,7 +201,7 @@ class KVPool:
     i = 0
     while i < n_tokens:
       if not table or self._fill[owner] == self.page_size:
-        page = self._free.popleft()
+        page = heapq.heappop(self._free)
         table.append(page)
         self.page_owner[page] = owner
         self._fill[owner] = 0
@@ -257,7 +259,7 @@ class KVPool:
       table.remove(page)
       if was_last:  # the owner's next allocation starts a fresh page
         self._fill[owner] = self.page_size
-    self._free.append(page)
+    heapq.heappush(self._free, page)
 
   def free_pages(self, pages: Iterable[int]) -> None:
     """Return whole pages to the free list (every slot FREE, dropped from page tables).
@@ -346,7 +348,7 @@ class KVPool:
       if self._fill[owner] == 0:
         table.pop()
         self.page_owner[page] = -1
-        self._free.append(page)
+        heapq.heappush(self._free, page)
         self._fill[owner] = self.page_size
     return np.asarray(out[::-1], np.int32)
 
