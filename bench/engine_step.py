@@ -10,7 +10,8 @@ What is measured: an :class:`selforch_jax.runtime.engine.Engine` over a paged po
 For each T in ``--T`` (default 1, 2, 4, 8, 16, 32), T query tokens that see the whole context and
 each other causally run in one engine step (:meth:`Engine.step`: host arrays in, K/V written to T
 own slots, logits ``[T, V]`` back and ready), ``--repeats`` times, every T against the same
-context (the dense reference attention reads all slots whatever the occupancy). The first step
+context (the dense reference attention reads the step's key window: the used slots rounded up to
+a power of two, at least 256). The first step
 per T is excluded (compile); the repeats go round-robin over the T values in a shuffled order, so
 load from other processes affects every T alike.
 Reported per T: median and min wall ms of the step, ms including the host bookkeeping
@@ -18,6 +19,11 @@ Reported per T: median and min wall ms of the step, ms including the host bookke
 query tokens per second. A step of this model reads every weight once, so on a CPU several tokens
 per step cost little more than one: ``relative_to_T1[T] / T`` is what parallel decoding pays
 per token.
+
+Then the key-window curve (``--window_T`` queries, default 8): the same step when the queries see
+the slots ``[0, end)`` for each key window ``end`` of the pool, up to the whole pool; the engine
+attends over that window only, so the cost follows the used slots, not the pool size
+(``key_window.relative_to_whole_pool``; e.g. ``--num_pages=304`` is the walk eval's pool).
 
 Writes ``<out>/engine_step.json`` and prints it.
 """
@@ -41,7 +47,7 @@ if REPO_ROOT not in sys.path:  # run as a plain script from anywhere
 
 import jax  # noqa: E402
 
-from selforch_jax.runtime.engine import Engine  # noqa: E402
+from selforch_jax.runtime.engine import Engine, key_windows  # noqa: E402
 from selforch_jax.runtime.mask import step_mask  # noqa: E402
 
 ONE_SEGMENT = (np.ones((1, 1), bool), np.zeros(1, bool))
@@ -114,6 +120,35 @@ def pasta_skip_ratios(seq_len: int = 2048) -> dict:
   return out
 
 
+def key_window_curve(engine: Engine, T: int, repeats: int, rng: np.random.Generator) -> dict:
+  """Median ms of a step of T queries that see the slots ``[0, end)``, for ``end`` = each key
+  window of the pool (:func:`selforch_jax.runtime.engine.key_windows`; the last is the whole
+  pool), measured round-robin in a shuffled order. The step's cost follows the end of the
+  visible slots, not the pool's size: what a pool whose used pages are packed at the front
+  (lowest free page first) pays. The queries write the pool's last T slots (their own)."""
+  S = engine.num_slots
+  ends = key_windows(S)
+  tokens = rng.integers(0, engine.cfg.vocab_size, T)
+  slots = np.arange(S - T, S)
+  masks = {}
+  for end in ends:
+    m = np.zeros((T, S), bool)
+    m[:, :end] = True
+    m[:, S - T:] = np.tril(np.ones((T, T), bool))
+    masks[end] = m
+  x = {end: dict(tokens=tokens, positions=np.arange(end, end + T), slots=slots, mask=masks[end])
+       for end in ends}
+  for end in ends:       # compile
+    timed_step(engine, x[end])
+  times = {end: [] for end in ends}
+  for _ in range(repeats):
+    for end in rng.permutation(ends):
+      times[int(end)].append(timed_step(engine, x[int(end)]))
+  ms = {str(e): 1e3 * statistics.median(v) for e, v in times.items()}
+  return dict(T=T, slots=S, visible_slots=ends, ms=ms,
+              relative_to_whole_pool={k: v / ms[str(S)] for k, v in ms.items()})
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", required=True, help="directory for engine_step.json")
@@ -125,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
   p.add_argument("--page_size", type=int, default=16)
   p.add_argument("--repeats", type=int, default=None, help="default 20 (smoke 3)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--window_T", type=int, default=8,
+                 help="query tokens of the key-window curve (0 = skip it)")
   a = p.parse_args(argv)
   context = a.context if a.context is not None else (32 if a.smoke else 256)
   num_pages = a.num_pages if a.num_pages is not None else (12 if a.smoke else 32)
@@ -183,6 +220,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
       "live_kv": engine.pool.stats(),
       "wall_s": time.perf_counter() - t_start,
   }
+  if a.window_T > 0:
+    engine.pool.free_owner(0)   # the curve's masks decide what is seen; the pool is empty
+    out["key_window"] = key_window_curve(engine, a.window_T, repeats, rng)
+    out["wall_s"] = time.perf_counter() - t_start
   out["pasta_8_threads_tile_skip_ratio"] = pasta_skip_ratios()
   if Ts[0] != 1:
     out["note"] = f"relative_to_T1 is relative to the smallest T measured ({Ts[0]})"

@@ -31,3 +31,14 @@ def test_engine_step_bench_smoke(tmp_path):
   assert data["relative_per_token"]["4"] == data["relative_to_T1"]["4"] / 4
   # the pool is back to the context alone after every measurement
   assert data["live_kv"]["live_tokens"] == 32 and data["live_kv"]["reserved_slots"] == 0
+
+
+def test_engine_step_bench_key_window_curve(tmp_path):
+  out = _load_bench().main([f"--out={tmp_path}", "--smoke", "--T=1", "--repeats=2",
+                            "--num_pages=40", "--window_T=4"])
+  kw = out["key_window"]
+  assert kw["T"] == 4 and kw["slots"] == 640 and kw["visible_slots"] == [256, 512, 640]
+  assert set(kw["ms"]) == {"256", "512", "640"}
+  assert all(math.isfinite(v) and v > 0 for v in kw["ms"].values())
+  assert kw["relative_to_whole_pool"]["640"] == 1.0
+  assert kw["relative_to_whole_pool"]["256"] == kw["ms"]["256"] / kw["ms"]["640"]
