@@ -47,7 +47,7 @@ if REPO_ROOT not in sys.path:  # run as a plain script from anywhere
 
 import jax  # noqa: E402
 
-from selforch_jax.runtime.engine import Engine, key_windows  # noqa: E402
+from selforch_jax.runtime.engine import Engine, key_window, key_windows  # noqa: E402
 from selforch_jax.runtime.mask import step_mask  # noqa: E402
 
 ONE_SEGMENT = (np.ones((1, 1), bool), np.zeros(1, bool))
@@ -125,19 +125,18 @@ def key_window_curve(engine: Engine, T: int, repeats: int, rng: np.random.Genera
   window of the pool (:func:`selforch_jax.runtime.engine.key_windows`; the last is the whole
   pool), measured round-robin in a shuffled order. The step's cost follows the end of the
   visible slots, not the pool's size: what a pool whose used pages are packed at the front
-  (lowest free page first) pays. The queries write the pool's last T slots (their own)."""
+  (lowest free page first) pays. The queries write the slots ``[end - T, end)`` and see them
+  causally after the context ``[0, end - T)``. Reports the key window each step ran with."""
   S = engine.num_slots
   ends = key_windows(S)
   tokens = rng.integers(0, engine.cfg.vocab_size, T)
-  slots = np.arange(S - T, S)
-  masks = {}
+  x = {}
   for end in ends:
     m = np.zeros((T, S), bool)
-    m[:, :end] = True
-    m[:, S - T:] = np.tril(np.ones((T, T), bool))
-    masks[end] = m
-  x = {end: dict(tokens=tokens, positions=np.arange(end, end + T), slots=slots, mask=masks[end])
-       for end in ends}
+    m[:, :end - T] = True
+    m[:, end - T:end] = np.tril(np.ones((T, T), bool))
+    x[end] = dict(tokens=tokens, positions=np.arange(end - T, end),
+                  slots=np.arange(end - T, end), mask=m)
   for end in ends:       # compile
     timed_step(engine, x[end])
   times = {end: [] for end in ends}
@@ -146,6 +145,7 @@ def key_window_curve(engine: Engine, T: int, repeats: int, rng: np.random.Genera
       times[int(end)].append(timed_step(engine, x[int(end)]))
   ms = {str(e): 1e3 * statistics.median(v) for e, v in times.items()}
   return dict(T=T, slots=S, visible_slots=ends, ms=ms,
+              key_window={str(e): key_window(x[e]["mask"]) for e in ends},
               relative_to_whole_pool={k: v / ms[str(S)] for k, v in ms.items()})
 
 

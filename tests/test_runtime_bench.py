@@ -40,5 +40,5 @@ def test_engine_step_bench_key_window_curve(tmp_path):
   assert kw["T"] == 4 and kw["slots"] == 640 and kw["visible_slots"] == [256, 512, 640]
   assert set(kw["ms"]) == {"256", "512", "640"}
   assert all(math.isfinite(v) and v > 0 for v in kw["ms"].values())
+  assert kw["key_window"] == {"256": 256, "512": 512, "640": 640}   # each step its own window
   assert kw["relative_to_whole_pool"]["640"] == 1.0
-  assert kw["relative_to_whole_pool"]["256"] == kw["ms"]["256"] / kw["ms"]["640"]

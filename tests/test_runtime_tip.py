@@ -172,7 +172,8 @@ def _run_forced(model, perturb_slots_after_kill: str | None, num_pages=8):
         slots = np.asarray([pol.slot_of[j] for j in idx])
         if perturb_slots_after_kill == "dead":
           # the lowest freed page is already the killing step's fresh page (its slots hold the
-          # new step now); perturb the dead slots that are still free
+          # new step now); perturb the dead slots that are still free (two of them are never
+          # overwritten before the end: they test that dead K/V stays unseen until reuse)
           slots = slots[engine.pool.state[slots] == FREE]
           assert slots.size >= 2
         L, K, Dh = model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim

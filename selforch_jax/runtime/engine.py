@@ -217,19 +217,30 @@ class Engine:
     return logits[:T] if Tb != T else logits
 
   def warm_up(self, sizes, attn_mass: tuple[bool, ...] = (False,)) -> None:
-    """Compile the step programs timed runs will use: every padded size of ``sizes`` (query
-    counts; those above S are dropped) at every key window (:func:`key_windows`), without and,
-    if ``True in attn_mass``, with the attention mass. Writes only to slots no query sees
-    (every slot stays FREE in the pool); resets the step counters.
+    """Compile the dense-mask step programs timed runs will use: every padded size of
+    ``sizes`` (query counts; those above S are dropped) at every key window a step of that size
+    can have (:func:`key_windows`; a step of ``Tb >= 256`` padded queries sees at least ``Tb / 2
+    + 1`` slots, so its window is at least ``Tb``), without and, if ``True in attn_mass``, with
+    the attention mass. Resets the step counters. On a ``"paged"`` engine only the dense-mask
+    programs compile (the kernel's compile falls in the first real step).
+
+    Raises:
+      ValueError: the pool holds allocated slots (warm up a fresh or reset engine: the
+        compile steps write K/V into slots ``0..T-1``).
     """
+    if self.pool.used_pages:
+      raise ValueError(f"warm_up needs an empty pool; {self.pool.used_pages} pages are in use")
     S = self.num_slots
     was = self.record_attn_mass
     sizes = sorted({bucket_size(n) for n in sizes if 1 <= n <= S})
     try:
       for mode in attn_mass:
         self.record_attn_mass = bool(mode)
-        for T in sizes:
+        for Tb in sizes:
+          T = min(Tb, S)  # real queries; the step pads them to Tb
           for W in key_windows(S) if self.attention == "reference" else [S]:
+            if W < min(Tb, S) and Tb >= KEY_WINDOW_MIN:
+              continue
             mask = np.zeros((T, S), bool)
             mask[0, W - 1] = True
             self.step(np.zeros(T, np.int32), np.zeros(T, np.int32),
