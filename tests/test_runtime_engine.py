@@ -97,6 +97,19 @@ def test_key_window_covers_the_used_slots_and_equals_full_attention(model, gen):
   assert out[0].token_ids == ref[0].token_ids and eng.windows_used == {256}
 
 
+def test_warm_up_compiles_each_window_and_refuses_a_pool_in_use(model):
+  eng = Engine(model, num_pages=40, page_size=16)                   # 640 slots
+  eng.warm_up([1, 300])        # bucket 1: every window; bucket 512: only windows >= 512
+  assert eng.windows_used == {256, 512, 640} and eng.buckets_used == {1, 512}
+  assert eng.num_steps == 0 and eng.pool.used_pages == 0
+  small = Engine(model, num_pages=3, page_size=100)                 # 300 slots < bucket 512
+  small.warm_up([300])
+  assert small.buckets_used == {512} and small.windows_used == {300}
+  eng.allocate([0])
+  with pytest.raises(ValueError, match="empty pool"):
+    eng.warm_up([1])
+
+
 def test_ar_single_prompts_and_pool_reuse(model, gen):
   eng = Engine(model, num_pages=4, page_size=32)  # 128 slots
   sp = SamplingParams(temperature=1.0, seed=11)
