@@ -110,6 +110,10 @@ def test_per_dataset_model_that_is_no_model_dir_is_named(tmp_path):
   c.dense_for.gsm8k = str(tmp_path)
   with pytest.raises(config_lib.ConfigError, match="dense_for.gsm8k"):
     validate(c)
+  c.tip_for.synthetic_walk = str(tmp_path / "missing")   # every bad path is named at once
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"tip_for.synthetic_walk='.*missing', dense_for.gsm8k="):
+    validate(c)
 
 
 def test_models_are_loaded_once_and_checked_before_any_dataset_runs(tmp_path, monkeypatch):

@@ -112,13 +112,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if not 0.0 <= ec.recent_ratio < 1.0 or ec.temperature < 0:
     raise config_lib.ConfigError("eval.recent_ratio must be in [0, 1), temperature >= 0")
   from selforch_jax.eval.run import MODEL_DIRS, is_model_dir
+  bad = []  # every model path that is no model directory, named in one error
   for key in ("tip", "dense"):
-    p = config[key]
-    if p and not is_model_dir(p):
-      raise config_lib.ConfigError(f"{key}={p!r} is {MODEL_DIRS}")
-    for d, p in config[key + "_for"].items():
-      if p and not is_model_dir(p):
-        raise config_lib.ConfigError(f"{key}_for.{d}={p!r} is {MODEL_DIRS}")
+    paths = [(key, config[key])] + [(f"{key}_for.{d}", p) for d, p in config[key + "_for"].items()]
+    bad += [f"{k}={p!r}" for k, p in paths if p and not is_model_dir(p)]
+  if bad:
+    raise config_lib.ConfigError(f"{', '.join(bad)}: each is {MODEL_DIRS}")
 
 
 def model_paths(config: ml_collections.ConfigDict, dataset: str) -> dict[str, str]:
