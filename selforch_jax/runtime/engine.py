@@ -94,10 +94,9 @@ def key_windows(num_slots: int) -> list[int]:
 def key_window(mask: np.ndarray) -> int:
   """The key window of a step: the smallest of :func:`key_windows` that holds every slot a
   query of ``mask`` (bool ``[T, S]``) may see."""
-  S = mask.shape[1]
   seen = np.flatnonzero(mask.any(axis=0))
   end = int(seen[-1]) + 1 if seen.size else 1
-  return min(bucket_size(max(end, KEY_WINDOW_MIN)), S)
+  return next(w for w in key_windows(mask.shape[1]) if w >= end)
 
 
 class Engine:
@@ -202,7 +201,9 @@ class Engine:
       write_slots = np.concatenate([write_slots, S + np.arange(pad, dtype=np.int32)])
     if not paged:
       W = key_window(mask)
-      mask = mask[:, :W] if Tb == T else np.concatenate([mask[:, :W], np.zeros((Tb - T, W), bool)])
+      windowed = np.zeros((Tb, W), bool)  # padding queries see nothing
+      windowed[:T] = mask[:, :W]
+      mask = windowed
       self.windows_used.add(W)
     if self.record_attn_mass:
       logits, self.cache, self.last_attn_mass = _jitted_step_attn_mass(
@@ -239,7 +240,7 @@ class Engine:
         for Tb in sizes:
           T = min(Tb, S)  # real queries; the step pads them to Tb
           for W in key_windows(S) if self.attention == "reference" else [S]:
-            if W < min(Tb, S) and Tb >= KEY_WINDOW_MIN:
+            if Tb >= KEY_WINDOW_MIN and W < T:
               continue
             mask = np.zeros((T, S), bool)
             mask[0, W - 1] = True
