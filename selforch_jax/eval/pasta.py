@@ -371,11 +371,37 @@ def forced_plan(engine, tok, tv, prompts, fc, ec) -> dict:
           "promises": fc.promises, "length": fc.length, "cap": fc.cap}
 
 
+def pareto_figure(out: dict, judged: bool, workdir: str) -> None:
+  """Draw ``workdir/pasta_pareto.png`` from ``out["systems"]`` (wall speedup vs quality: the
+  judge win rate when ``judged``, else AR NLL - system NLL; AR the reference star) and set
+  ``out["pareto_png"]``; nothing when no system besides AR has both figures."""
+  from selforch_jax.eval.plots import pareto_plot
+  points = []
+  for name, summ in out["systems"].items():
+    if name == "ar" or summ["wall_speedup"] is None or summ["nll_minus_ar"] is None:
+      continue
+    y = summ.get("win_rate_vs_ar") or {k: (-v if k != "n" else v) for k, v in
+                                       summ["nll_minus_ar"].items()}
+    if "win_rate_vs_ar" not in summ:
+      y = dict(y, lo=y["hi"], hi=y["lo"])
+    points.append(dict(label=name, x=summ["wall_speedup"], y=y,
+                       kind="pasta" if name.startswith("pasta") else "baseline"))
+  if not points:
+    return
+  n = out["n"]
+  ylabel = ("judge win rate vs AR" if judged else
+            "quality: AR NLL - system NLL (nats/token, higher is better)")
+  ref = 0.5 if judged else 0.0
+  points.append(dict(label="AR", x={"mean": 1.0, "lo": 1.0, "hi": 1.0, "n": n},
+                     y={"mean": ref, "lo": ref, "hi": ref, "n": n}, kind="reference"))
+  out["pareto_png"] = pareto_plot(points, os.path.join(workdir, "pasta_pareto.png"),
+                                  ylabel=ylabel, title=f"AlpacaEval n={n}")
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """The whole evaluation (module docstring); writes the JSON, JSONL and PNG into ``workdir``."""
   from selforch_jax.data.sources import load_examples, prompt_and_reference
   from selforch_jax.eval import judges
-  from selforch_jax.eval.plots import pareto_plot
 
   validate(config)
   ec = config
@@ -457,7 +483,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       js = judges.win_rate(judge, questions, [r["text"] for r in recs[s]],
                            [r["text"] for r in recs["ar"]], n_boot=ec.n_boot, seed=ec.seed)
     out["systems"][s] = summarize(recs[s], recs["ar"], ec, js)
-  points = []
   for lab, path in _pareto_runs(config.pareto):
     m, t, tv = _load(config, path)
     e = make_engine(m, sizes["pasta"], ps)
@@ -470,30 +495,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                             add_generation_prompt=True), ec.max_new_tokens, ec.cap,
                     **opts)
       resp = base_tok.encode(r["text"])
-      r.update(nll=nll(pr, resp), length=len(resp), prompt_index=ec.offset + i, system=lab)
+      r.update(nll=nll(pr, resp), length=len(resp), prompt_index=ec.offset + i,
+               system=f"pasta[{lab}]")
       rr.append(r)
     out["systems"][f"pasta[{lab}]"] = summarize(rr, recs["ar"], ec)
     recs[f"pasta[{lab}]"] = rr
   if fc.n > 0:
     out["forced_plan"] = forced_plan(engine_for("forced"), p_tok, p_tv, p_prompts[:fc.n], fc, ec)
-  for name, summ in out["systems"].items():
-    if name == "ar" or summ["wall_speedup"] is None or summ["nll_minus_ar"] is None:
-      continue
-    y = summ.get("win_rate_vs_ar") or {k: (-v if k != "n" else v) for k, v in
-                                       summ["nll_minus_ar"].items()}
-    if "win_rate_vs_ar" not in summ:
-      y = dict(y, lo=y["hi"], hi=y["lo"])
-    points.append(dict(label=name, x=summ["wall_speedup"], y=y,
-                       kind="pasta" if name.startswith("pasta") else "baseline"))
-  if points:
-    ylabel = ("judge win rate vs AR" if judge is not None else
-              "quality: AR NLL - system NLL (nats/token, higher is better)")
-    ref_y = {"mean": 0.5 if judge is not None else 0.0, "lo": 0.5 if judge else 0.0,
-             "hi": 0.5 if judge else 0.0, "n": len(rows)}
-    one = {"mean": 1.0, "lo": 1.0, "hi": 1.0, "n": len(rows)}
-    points.append(dict(label="AR", x=one, y=ref_y, kind="reference"))
-    out["pareto_png"] = pareto_plot(points, os.path.join(workdir, "pasta_pareto.png"),
-                                    ylabel=ylabel, title=f"AlpacaEval n={len(rows)}")
+  pareto_figure(out, judge is not None, workdir)
   out["total_wall_s"] = time.perf_counter() - t_start
   with open(os.path.join(workdir, "pasta_eval_records.jsonl"), "w", encoding="utf-8") as f:
     for s, rs in recs.items():

@@ -31,18 +31,13 @@ import os
 
 import numpy as np
 
+from selforch_jax.eval.shards import check_contiguous, load_reports, same_config
 from selforch_jax.eval.tip import (
     TEACHER_FORCED_MEANS, compare_systems, plot, question_texts, summary, system_summary,
     teacher_forced_figures,
 )
 
 __all__ = ["merge", "main"]
-
-def _same_config(a: dict, b: dict) -> bool:
-  strip = lambda c: {**c, "eval": {k: v for k, v in c["eval"].items()  # noqa: E731
-                                   if k not in ("offset", "n")}}
-  return strip(a) == strip(b)
-
 
 def _merge_teacher_forced(ds: str, parts: list[tuple[str, dict]]) -> dict | None:
   have = [d for d, p in parts if "teacher_forced" in p]
@@ -94,20 +89,10 @@ def merge(shard_dirs: list[str], out_dir: str) -> dict:
       their shard's range; teacher-forced figures in only some shards.
   """
   from selforch_jax.data.sources import load_examples
-  if len(shard_dirs) < 2:
-    raise ValueError(f"merge needs at least two shard directories, got {len(shard_dirs)}")
-  if os.path.realpath(out_dir) in {os.path.realpath(d) for d in shard_dirs}:
-    raise ValueError(f"--out={out_dir} is one of the shards: the merge would overwrite it")
-  shards = []
-  for d in shard_dirs:
-    path = os.path.join(d, "tip_eval.json")
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"{d}: no tip_eval.json (not a finished TIP eval workdir)")
-    with open(path) as f:
-      shards.append((d, json.load(f)))
+  shards = load_reports(shard_dirs, out_dir, "tip_eval.json")
   first = shards[0][1]
   for d, s in shards[1:]:
-    if not _same_config(first["config"], s["config"]):
+    if not same_config(first["config"], s["config"], "eval"):
       raise ValueError(f"{d}: its config differs from {shard_dirs[0]}'s beyond eval.offset/n")
     if list(s["datasets"]) != list(first["datasets"]):
       raise ValueError(f"{d}: datasets {list(s['datasets'])} != {list(first['datasets'])}")
@@ -119,11 +104,7 @@ def merge(shard_dirs: list[str], out_dir: str) -> dict:
   out["seconds"] = round(sum(out["shard_seconds"]), 1)   # summed: shards may run in parallel
   out["datasets"] = {}
   for ds in first["datasets"]:
-    parts = sorted(((d, s["datasets"][ds]) for d, s in shards), key=lambda x: x[1]["subset"][0])
-    for (d0, a), (d1, b) in zip(parts, parts[1:]):
-      if a["subset"][1] != b["subset"][0]:
-        raise ValueError(f"{ds}: problems {a['subset']} ({d0}) and {b['subset']} ({d1}) "
-                         "overlap or leave a gap")
+    parts = check_contiguous([(d, s["datasets"][ds]) for d, s in shards], ds)
     systems = list(parts[0][1]["systems"])
     for d, p in parts:
       if list(p["systems"]) != systems:

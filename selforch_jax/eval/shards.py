@@ -1,0 +1,56 @@
+"""Shared checks of the shard mergers (:mod:`selforch_jax.eval.tip_merge`,
+:mod:`selforch_jax.eval.pasta_merge`): an eval run as shards over contiguous ranges of the same
+test file, with one config, merged into the report one run over the union would write."""
+
+from __future__ import annotations
+
+import json
+import os
+
+__all__ = ["load_reports", "same_config", "check_contiguous"]
+
+
+def load_reports(shard_dirs: list[str], out_dir: str, report: str) -> list[tuple[str, dict]]:
+  """``[(shard_dir, report dict)]``: each shard's finished ``report`` (e.g. ``tip_eval.json``).
+
+  Raises:
+    ValueError: fewer than two shards, or ``out_dir`` is one of them (the merge would overwrite
+      it).
+    FileNotFoundError: a shard without ``report`` (not a finished eval workdir).
+  """
+  if len(shard_dirs) < 2:
+    raise ValueError(f"merge needs at least two shard directories, got {len(shard_dirs)}")
+  if os.path.realpath(out_dir) in {os.path.realpath(d) for d in shard_dirs}:
+    raise ValueError(f"--out={out_dir} is one of the shards: the merge would overwrite it")
+  shards = []
+  for d in shard_dirs:
+    path = os.path.join(d, report)
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"{d}: no {report} (not a finished eval workdir)")
+    with open(path) as f:
+      shards.append((d, json.load(f)))
+  return shards
+
+
+def same_config(a: dict, b: dict, section: str | None = None) -> bool:
+  """Whether two saved eval configs are equal beyond ``offset`` and ``n`` (of ``section``, or
+  top-level keys when None)."""
+  def strip(c):
+    if section is None:
+      return {k: v for k, v in c.items() if k not in ("offset", "n")}
+    return {**c, section: {k: v for k, v in c[section].items() if k not in ("offset", "n")}}
+  return strip(a) == strip(b)
+
+
+def check_contiguous(parts: list[tuple[str, dict]], what: str) -> list[tuple[str, dict]]:
+  """``parts`` (``(shard_dir, figures with "subset": [lo, hi])``) sorted by ``lo``.
+
+  Raises:
+    ValueError: two shards' ranges overlap or leave a gap (names ``what`` and both shards).
+  """
+  parts = sorted(parts, key=lambda x: x[1]["subset"][0])
+  for (d0, a), (d1, b) in zip(parts, parts[1:]):
+    if a["subset"][1] != b["subset"][0]:
+      raise ValueError(f"{what}: problems {a['subset']} ({d0}) and {b['subset']} ({d1}) "
+                       "overlap or leave a gap")
+  return parts
