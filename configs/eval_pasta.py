@@ -5,7 +5,8 @@ Run:
       --config.pasta=out/pasta_sft --config.baseline=out/pasta_baseline
   python -m selforch_jax.eval --config=configs/eval_pasta.py --config.n=10 \
       --config.max_new_tokens=128 --workdir=out/eval_pasta_small   # base SmolLM2 + tag rows
-  ... --config.pareto=lam1=out/po_l1,lam4=out/po_l4     # PASTA runs per λ / round (Pareto plot)
+  ... --config.pareto=lam1/r3=out/po_l1_r3,lam1/r6=out/po_l1_r6   # PASTA runs per λ / round
+                                                      # (Pareto plot: one line per λ)
   ... --config.judge.backend=openai --config.judge.url=https://api.openai.com/v1 \
       --config.judge.model=gpt-4o-mini                  # judge win rate vs AR (key: $OPENAI_API_KEY)
   ... --config.forced.n=3 --config.forced.promises=6    # forced-plan thread speedup

@@ -110,6 +110,9 @@ def test_pareto_plot_and_errors(tmp_path):
     pareto_plot([], p)
   with pytest.raises(ValueError, match="lacks x or y"):
     pareto_plot([dict(label="bad", x=ci(1.0))], p)
+  pareto_plot(pts, p, series={"λ": ["pasta λ=1", "pasta λ=4"]})
+  with pytest.raises(ValueError, match="unknown points"):
+    pareto_plot(pts, p, series={"λ": ["pasta λ=1", "pasta λ=9"]})
   c = eval_pasta.defaults()
   c.systems = "pasta,sot"
   with pytest.raises(Exception, match="'ar' required"):
@@ -176,3 +179,21 @@ def test_final_text_of_a_cut_plan_keeps_each_chunk_alone():
       cur.append(t)
   assert len(chunks) == 3
   assert s.text_ids(0) == [t for c in chunks for t in c]
+
+
+def test_pareto_figure_joins_each_lambda_through_its_rounds(tmp_path, monkeypatch):
+  from selforch_jax.eval import plots
+  seen = {}
+  monkeypatch.setattr(plots, "pareto_plot", lambda pts, path, **kw: seen.update(pts=pts, **kw))
+  ci = lambda m: {"mean": m, "lo": m - 0.1, "hi": m + 0.1, "n": 3}  # noqa: E731
+  fig = lambda s, q: {"wall_speedup": ci(s), "nll_minus_ar": ci(q)}  # noqa: E731
+  out = {"n": 3, "systems": {"ar": fig(1.0, 0.0), "pasta": fig(1.2, 0.3), "sot": fig(0.6, 0.4),
+                             "pasta[lam1/r3]": fig(1.4, 0.2), "pasta[lam4/r3]": fig(1.1, 0.1),
+                             "pasta[lam1/r6]": fig(1.6, 0.25), "pasta[other]": fig(1.0, 0.0)}}
+  eval_pasta.pareto_figure(out, False, str(tmp_path))
+  assert seen["series"] == {"lam1": ["pasta", "pasta[lam1/r3]", "pasta[lam1/r6]"],
+                            "lam4": ["pasta", "pasta[lam4/r3]"]}
+  by = {p["label"]: p for p in seen["pts"]}
+  assert by["sot"]["kind"] == "baseline" and by["AR"]["kind"] == "reference"
+  assert by["pasta[lam1/r3]"]["y"]["mean"] == pytest.approx(-0.2)   # quality = AR NLL - NLL
+  assert by["pasta[lam1/r3]"]["y"]["lo"] == pytest.approx(-0.3)

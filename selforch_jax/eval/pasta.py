@@ -11,7 +11,8 @@ In one run, batch 1, greedy, on the first ``n`` AlpacaEval instructions
   :class:`~selforch_jax.runtime.pasta.PASTAScheduler`;
 * **SoT** (:mod:`selforch_jax.runtime.sot`) and **APAR** (:mod:`selforch_jax.runtime.apar`) on
   the baseline model (both are methods for an untrained-for-PASTA model);
-* every run in ``config.pareto`` (``label=workdir,...``: PASTA runs per λ / round) decoded with
+* every run in ``config.pareto`` (``label=workdir,...``: PASTA runs per λ / round; labels
+  ``NAME/ROUND`` draw one line per NAME in the plot) decoded with
   PASTA, for the Pareto plot.
 
 Each of these paths may be a training workdir, an adapter directory (:mod:`selforch_jax.adapter`)
@@ -374,7 +375,9 @@ def forced_plan(engine, tok, tv, prompts, fc, ec) -> dict:
 def pareto_figure(out: dict, judged: bool, workdir: str) -> None:
   """Draw ``workdir/pasta_pareto.png`` from ``out["systems"]`` (wall speedup vs quality: the
   judge win rate when ``judged``, else AR NLL - system NLL; AR the reference star) and set
-  ``out["pareto_png"]``; nothing when no system besides AR has both figures."""
+  ``out["pareto_png"]``; nothing when no system besides AR has both figures. Pareto runs
+  labelled ``NAME/ROUND`` (``--config.pareto=lam1/r3=DIR,lam1/r6=DIR,...``) are joined by one
+  line per NAME, from the ``pasta`` (SFT) point through its rounds in config order."""
   from selforch_jax.eval.plots import pareto_plot
   points = []
   for name, summ in out["systems"].items():
@@ -394,8 +397,15 @@ def pareto_figure(out: dict, judged: bool, workdir: str) -> None:
   ref = 0.5 if judged else 0.0
   points.append(dict(label="AR", x={"mean": 1.0, "lo": 1.0, "hi": 1.0, "n": n},
                      y={"mean": ref, "lo": ref, "hi": ref, "n": n}, kind="reference"))
+  series = {}   # pareto labels "NAME/ROUND" (e.g. lam1/r3): one line per NAME from the SFT point
+  for p in points:
+    lab = p["label"]
+    if lab.startswith("pasta[") and "/" in lab:
+      series.setdefault(lab[len("pasta["):].split("/")[0],
+                        ["pasta"] if "pasta" in out["systems"] else []).append(lab)
   out["pareto_png"] = pareto_plot(points, os.path.join(workdir, "pasta_pareto.png"),
-                                  ylabel=ylabel, title=f"AlpacaEval n={n}")
+                                  ylabel=ylabel, title=f"AlpacaEval n={n}",
+                                  series=series or None)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
