@@ -14,9 +14,12 @@ response of each prompt and trains alpha * SFT(best) + IPO against the initial m
 (``trainers/bonbon.py``). The training forward uses the rollout's ``build_layout`` mask
 (``bonbon.layout_mask``), so it sees what the runtime saw.
 
-Run (the policy is the PASTA SFT run in ``out/pasta_sft``):
-  python -m selforch_jax.train --config=configs/pasta_po.py:init_from=out/pasta_sft \
-      --workdir=out/pasta_po
+Run (the policy is the PASTA SFT run in ``out/pasta_sft``; defaults sized for the real SmolLM2 on
+one CPU core: 6 rounds of 8 prompts x 4 samples, about 4.5 min per round):
+  python -m selforch_jax.train --config=configs/pasta_po.py:init_from=out/pasta_sft,quality_weight=1 \
+      --workdir=out/pasta_po_l1
+  # a round's policy as an adapter (checkpoints are numbered in optimizer steps: round r = 4 r)
+  python -m selforch_jax.export --workdir=out/pasta_po_l1 --step=12 --out=out/po_l1_r3 --adapter
   # tiny smoke run (random weights, the real tokenizer):
   python -m selforch_jax.train --config=configs/pasta_po.py:model=tiny_smollm2,steps=1 \
       --config.bonbon.max_new_tokens=8 --workdir=/tmp/pasta_po
@@ -34,7 +37,7 @@ from selforch_jax.trainers.po_run import po_defaults
 def get_config(arg=None):
   a = config_lib.parse_arg(arg, model="smollm2_135m", init_from="",
                            scheduler="pasta" if "pasta" in available() else "ar",
-                           quality_weight=1.0, steps=4, lora_rank=8)
+                           quality_weight=1.0, steps=6, lora_rank=8)
   c = po_defaults("bonbon")
   c.model.preset = a.model
   if a.model == "smollm2_135m":
@@ -55,19 +58,21 @@ def get_config(arg=None):
   b.quality = "ref_nll"
   b.quality_weight = a.quality_weight
   b.num_samples = 4
-  b.prompts_per_round = 2
-  b.updates_per_round = 2
-  b.pairs_per_step = 2
-  b.max_new_tokens = 96
+  b.prompts_per_round = 8       # 32 rollouts of <= 256 tokens per round, decoded together
+  b.updates_per_round = 4       # 2 passes over the round's 8 best-vs-worst pairs
+  b.pairs_per_step = 4
+  b.max_new_tokens = 256        # the eval's answer budget
+  if a.model == "smollm2_135m":
+    b.num_pages = 2048          # 32 rollouts x (prompt + 256 tokens + a partial page per thread)
   b.temperature = 0.8
   b.alpha = 1.0
   b.tau = 0.1
   b.max_prompt_tokens = 200
   b.dataset, b.split = "alpaca", "train"
-  c.optim.lr = 5e-5 if a.lora_rank else 1e-5
+  c.optim.lr = 2e-4 if a.lora_rank else 1e-5
   c.optim.warmup_steps = 0
   c.optim.schedule = "constant"
   c.train.steps = a.steps
   c.train.checkpoint_every = 1
-  c.train.keep = 2
+  c.train.keep = 10             # every round's checkpoint (the Pareto plot's rounds)
   return c
