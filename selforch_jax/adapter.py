@@ -6,8 +6,11 @@ An adapter directory (a few MB instead of the run's full Orbax checkpoints) hold
   the L layers, named ``layers.<proj>_lora_a`` ``[L, *in_dims, r]`` and ``layers.<proj>_lora_b``
   ``[L, r, *out_dims]`` (e.g. ``layers.q_proj_lora_a [L, D, r]``, ``layers.q_proj_lora_b
   [L, r, H, Dh]``); when the run trained new embedding rows (``train.train_embed_rows_from =
-  R >= 0``) also ``embed_rows [V - R, D]`` (rows ``R..V-1`` of ``embed``) and, for an untied
-  head, ``head_rows [V - R, D]`` (columns ``R..V-1`` of ``lm_head [D, V]``, transposed).
+  R >= 0``) or its model has the orchestration tags (R = the first tag id at most: the tags'
+  rows are not in the base, and a policy-optimization run inherits its SFT run's trained rows
+  without training them) also ``embed_rows [V - R, D]`` (rows ``R..V-1`` of ``embed``) and, for
+  an untied head, ``head_rows [V - R, D]`` (columns ``R..V-1`` of ``lm_head [D, V]``,
+  transposed).
 * ``adapter_config.json``: ``model`` (the run's ``model`` config section: preset, weights,
   tokenizer, tags, dtypes, lora_rank / alpha / targets — what rebuilds the base exactly),
   ``rows_from`` (R, -1 = none), ``vocab_size`` (V), ``added_tokens`` (``[token, id]`` for ids
@@ -98,8 +101,12 @@ def export_adapter(workdir: str, out_dir: str, step: int | None = None) -> str:
     raise ValueError(f"{workdir} is not a LoRA run (model.lora_rank=0): its trained weights are "
                      "the whole model; export it without --adapter")
   rows_from = int(config.train.train_embed_rows_from)
-  tensors = _lora_tensors(model) | _row_tensors(model, rows_from)
   vocab = int(model.cfg.vocab_size)
+  if tok is not None:   # the tags' rows are not in the base: always exported, trained here or
+    tag_ids = [i for _, i in _added_tokens(tok, mc, -1, vocab)]   # inherited (init_from)
+    if tag_ids:
+      rows_from = min(tag_ids) if rows_from < 0 else min(rows_from, min(tag_ids))
+  tensors = _lora_tensors(model) | _row_tensors(model, rows_from)
   meta = {"format": "selforch_jax.adapter/1", "model": mc.to_dict(), "rows_from": rows_from,
           "vocab_size": vocab,
           "added_tokens": _added_tokens(tok, mc, rows_from, vocab) if tok is not None else [],

@@ -110,6 +110,23 @@ def test_errors(run, adapter, tmp_path):
     load_adapter(ids)
 
 
+def test_tag_rows_travel_when_the_run_did_not_train_them(run, monkeypatch, tmp_path):
+  """A policy-optimization run (train_embed_rows_from = -1) inherits its SFT run's trained tag
+  rows: the adapter still carries them, and the reload equals the run."""
+  import selforch_jax.trainers.restore as restore
+  from selforch_jax.trainers.restore import restore_run
+  config, m, tok, step = restore_run(run[1])
+  config.train.train_embed_rows_from = -1
+  monkeypatch.setattr(restore, "restore_run", lambda wd, step=None: (config, m, tok, 2))
+  out = export_adapter(str(tmp_path / "wd"), str(tmp_path / "po"))
+  meta = json.load(open(os.path.join(out, "adapter_config.json")))
+  assert meta["rows_from"] == 49152 and meta["tensors"]["embed_rows"] == [15, 64]
+  model, tok2 = load_adapter(out)
+  ids = tok2.encode(TEXT)
+  ref, _ = load_finetuned(run[1])
+  np.testing.assert_allclose(_logits(model, ids), _logits(ref, ids), atol=1e-6, rtol=0)
+
+
 def test_untied_head_rows_round_trip(monkeypatch, tmp_path):
   """An untied head's new columns travel as ``head_rows``; the reload equals the model."""
   import selforch_jax.trainers.restore as restore
