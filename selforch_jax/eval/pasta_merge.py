@@ -1,4 +1,5 @@
-r"""Merge PASTA evals run as shards over disjoint AlpacaEval prompt ranges into one report (issue 5).
+r"""Merge PASTA evals run as shards over disjoint AlpacaEval prompt ranges into one report
+(issue 5).
 
 A PASTA eval runs every system (and every ``pareto`` run) on each prompt at batch 1, so its cost
 is prompts x systems; on a machine with several cores, run it as shards with the same config and
@@ -24,14 +25,13 @@ rates and the forced-plan figures are not in the records: shards run with a judg
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import ml_collections
 
 from selforch_jax.eval.pasta import pareto_figure, summarize, summary
-from selforch_jax.eval.shards import check_contiguous, load_reports, same_config
+from selforch_jax.eval.shards import check_contiguous, load_reports, merge_cli, same_config
 
 __all__ = ["merge", "main"]
 
@@ -115,18 +115,8 @@ def merge(shard_dirs: list[str], out_dir: str) -> dict:
 
 def main(argv=None) -> None:
   """CLI: ``python -m selforch_jax.eval.pasta_merge --out=DIR SHARD_DIR SHARD_DIR ...``."""
-  ap = argparse.ArgumentParser(
-      prog="python -m selforch_jax.eval.pasta_merge",
-      description="Merge PASTA evals run as shards over disjoint, contiguous AlpacaEval prompt "
-                  "ranges into one report: pasta_eval.json, pasta_eval_records.jsonl and "
-                  "pasta_pareto.png in --out.")
-  ap.add_argument("--out", required=True, help="directory for the merged report (not a shard)")
-  ap.add_argument("shards", nargs="+", help="two or more finished PASTA eval workdirs")
-  a = ap.parse_args(argv)
-  try:
-    print(summary(merge(a.shards, a.out)))
-  except (ValueError, FileNotFoundError) as e:
-    raise SystemExit(f"error: {e}") from None
+  merge_cli(argv, "python -m selforch_jax.eval.pasta_merge", "PASTA",
+            "pasta_eval.json, pasta_eval_records.jsonl and pasta_pareto.png", merge, summary)
 
 
 if __name__ == "__main__":

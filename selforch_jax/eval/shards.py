@@ -4,10 +4,12 @@ test file, with one config, merged into the report one run over the union would 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+from typing import Callable
 
-__all__ = ["load_reports", "same_config", "check_contiguous"]
+__all__ = ["load_reports", "same_config", "check_contiguous", "merge_cli"]
 
 
 def load_reports(shard_dirs: list[str], out_dir: str, report: str) -> list[tuple[str, dict]]:
@@ -54,3 +56,20 @@ def check_contiguous(parts: list[tuple[str, dict]], what: str) -> list[tuple[str
       raise ValueError(f"{what}: problems {a['subset']} ({d0}) and {b['subset']} ({d1}) "
                        "overlap or leave a gap")
   return parts
+
+
+def merge_cli(argv, prog: str, what: str, outputs: str, merge: Callable[[list[str], str], dict],
+              summary: Callable[[dict], str]) -> None:
+  """The mergers' CLI: ``python -m PROG --out=DIR SHARD_DIR SHARD_DIR ...``; prints
+  ``summary(merge(shards, out))``, or exits with ``error: ...`` on a ValueError /
+  FileNotFoundError (``what``: the eval's name; ``outputs``: the files it writes)."""
+  ap = argparse.ArgumentParser(
+      prog=prog, description=f"Merge {what} evals run as shards over disjoint, contiguous ranges "
+                             f"of the test file into one report: {outputs} in --out.")
+  ap.add_argument("--out", required=True, help="directory for the merged report (not a shard)")
+  ap.add_argument("shards", nargs="+", help=f"two or more finished {what} eval workdirs")
+  a = ap.parse_args(argv)
+  try:
+    print(summary(merge(a.shards, a.out)))
+  except (ValueError, FileNotFoundError) as e:
+    raise SystemExit(f"error: {e}") from None

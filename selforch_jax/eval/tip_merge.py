@@ -25,13 +25,12 @@ merged per-problem JSONL files and the plot.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import numpy as np
 
-from selforch_jax.eval.shards import check_contiguous, load_reports, same_config
+from selforch_jax.eval.shards import check_contiguous, load_reports, merge_cli, same_config
 from selforch_jax.eval.tip import (
     TEACHER_FORCED_MEANS, compare_systems, plot, question_texts, summary, system_summary,
     teacher_forced_figures,
@@ -146,18 +145,9 @@ def merge(shard_dirs: list[str], out_dir: str) -> dict:
 
 def main(argv=None) -> None:
   """CLI: ``python -m selforch_jax.eval.tip_merge --out=DIR SHARD_DIR SHARD_DIR ...``."""
-  ap = argparse.ArgumentParser(
-      prog="python -m selforch_jax.eval.tip_merge",
-      description="Merge TIP evals run as shards over disjoint, contiguous problem ranges into one "
-                  "report: tip_eval.json, the per-problem tip_<dataset>_<system>.jsonl files and "
-                  "tip_accuracy_vs_live_kv.png in --out.")
-  ap.add_argument("--out", required=True, help="directory for the merged report (not a shard)")
-  ap.add_argument("shards", nargs="+", help="two or more finished TIP eval workdirs")
-  a = ap.parse_args(argv)
-  try:
-    print(summary(merge(a.shards, a.out)))
-  except (ValueError, FileNotFoundError) as e:
-    raise SystemExit(f"error: {e}") from None
+  merge_cli(argv, "python -m selforch_jax.eval.tip_merge", "TIP",
+            "tip_eval.json, the per-problem tip_<dataset>_<system>.jsonl files and "
+            "tip_accuracy_vs_live_kv.png", merge, summary)
 
 
 if __name__ == "__main__":
