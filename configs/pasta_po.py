@@ -18,7 +18,8 @@ Run (the policy is the PASTA SFT run in ``out/pasta_sft``; defaults sized for th
 one CPU core: 6 rounds of 8 prompts x 4 samples, about 4.5 min per round):
   python -m selforch_jax.train --config=configs/pasta_po.py:init_from=out/pasta_sft,quality_weight=1 \
       --workdir=out/pasta_po_l1
-  # a round's policy as an adapter (checkpoints are numbered in optimizer steps: round r = 4 r)
+  # a round's policy as an adapter (checkpoints are numbered in optimizer steps: round r is
+  # step r * bonbon.updates_per_round, 4 r by default; here round 3)
   python -m selforch_jax.export --workdir=out/pasta_po_l1 --step=12 --out=out/po_l1_r3 --adapter
   # tiny smoke run (random weights, the real tokenizer):
   python -m selforch_jax.train --config=configs/pasta_po.py:model=tiny_smollm2,steps=1 \
@@ -74,5 +75,5 @@ def get_config(arg=None):
   c.optim.schedule = "constant"
   c.train.steps = a.steps
   c.train.checkpoint_every = 1
-  c.train.keep = 10             # every round's checkpoint (the Pareto plot's rounds)
+  c.train.keep = 10             # the last 10 rounds' checkpoints (the Pareto plot's rounds)
   return c

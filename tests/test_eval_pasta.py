@@ -15,7 +15,7 @@ from selforch_jax.eval import pasta as eval_pasta
 from selforch_jax.eval.plots import pareto_plot
 
 
-def test_eval_pasta_tiny(tmp_path):
+def test_eval_pasta_tiny(tmp_path, tiny_tagged_model_dir):
   c = eval_pasta.defaults()
   c.model.preset = "tiny_smollm2"
   c.model.weights = "random"
@@ -28,13 +28,14 @@ def test_eval_pasta_tiny(tmp_path):
   c.n_boot = 200
   c.warmup = False   # compiles happen inside the timed runs here (a test, not a measurement)
   c.judge.backend = "local"
+  c.pareto = f"lam1/r1={tiny_tagged_model_dir}"
   out = eval_pasta.run(c, str(tmp_path))
   saved = json.loads((tmp_path / "pasta_eval.json").read_text())
   assert saved["n"] == 2 and saved["subset"] == [3, 5]
   ar = saved["systems"]["ar"]
   assert ar["theoretical_speedup"]["mean"] == pytest.approx(1.0)
   assert ar["wall_speedup"]["mean"] == pytest.approx(1.0)
-  for s in ("pasta", "sot", "apar"):
+  for s in ("pasta", "sot", "apar", "pasta[lam1/r1]"):   # pareto runs are judged too
     d = saved["systems"][s]
     for k in ("wall_speedup", "theoretical_speedup", "tokens_per_forward", "parse_rate", "nll",
               "nll_minus_ar", "length", "win_rate_vs_ar"):

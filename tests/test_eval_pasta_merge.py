@@ -11,7 +11,7 @@ from selforch_jax.eval import pasta as eval_pasta
 from selforch_jax.eval.pasta_merge import main, merge
 
 
-def _config(offset, n):
+def _config(offset, n, pareto=""):
   c = eval_pasta.defaults()
   c.model.preset = "tiny_smollm2"
   c.model.weights = "random"
@@ -22,16 +22,18 @@ def _config(offset, n):
   c.apar.child_tokens = 4
   c.n_boot = 200
   c.warmup = False
+  c.pareto = pareto
   return c
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_tagged_model_dir):
   root = tmp_path_factory.mktemp("pasta_shards")
   dirs = {k: str(root / k) for k in ("full", "a", "b")}
-  eval_pasta.run(_config(0, 3), dirs["full"])
-  eval_pasta.run(_config(0, 1), dirs["a"])
-  eval_pasta.run(_config(1, 2), dirs["b"])
+  pareto = f"lam1/r1={tiny_tagged_model_dir}"   # another model: one pareto run, its own outputs
+  eval_pasta.run(_config(0, 3, pareto), dirs["full"])
+  eval_pasta.run(_config(0, 1, pareto), dirs["a"])
+  eval_pasta.run(_config(1, 2, pareto), dirs["b"])
   return dirs
 
 
@@ -51,7 +53,10 @@ def test_merged_shards_equal_one_run_over_the_union(runs, tmp_path):
   w = {key(r): r for r in want}
   for r in have:
     assert r["text"] == w[key(r)]["text"], key(r)
-  for s in ("ar", "pasta", "apar"):
+  assert list(got["systems"]) == ["ar", "pasta", "apar", "pasta[lam1/r1]"]
+  assert [r["text"] for r in have if r["system"] == "pasta[lam1/r1]"] != [
+      r["text"] for r in have if r["system"] == "pasta"]
+  for s in ("ar", "pasta", "apar", "pasta[lam1/r1]"):
     for k in ("theoretical_speedup", "tokens_per_forward", "parse_rate", "parse_rate_strict",
               "nll", "nll_minus_ar", "length"):
       assert got["systems"][s][k]["n"] == 3
@@ -87,8 +92,16 @@ def test_merge_refuses_overlaps_other_configs_judges_and_stale_records(runs, tmp
     return str(tmp_path / name)
 
   other = variant("c", lambda r: r["config"].update(max_new_tokens=99))
-  with pytest.raises(ValueError, match="config differs"):
+  with pytest.raises(ValueError, match="config differs .*offset/n: max_new_tokens$"):
     merge([runs["a"], other], str(tmp_path / "x"))
+  forced = variant("f", lambda r: r["config"]["forced"].update(n=1))
+  a_forced = variant("af", lambda r: r["config"]["forced"].update(n=1))
+  with pytest.raises(ValueError, match="forced-plan"):
+    merge([forced, a_forced], str(tmp_path / "x"))
+  renamed = variant("r", lambda r: None, records=lambda lines: [
+      l.replace('"system": "pasta[lam1/r1]"', '"system": "lam1/r1"') for l in lines])
+  with pytest.raises(ValueError, match="no records of system 'pasta\\[lam1/r1\\]'"):
+    merge([runs["a"], renamed], str(tmp_path / "x"))
   judged = variant("j", lambda r: r["config"]["judge"].update(backend="local"))
   a_judged = variant("aj", lambda r: r["config"]["judge"].update(backend="local"))
   with pytest.raises(ValueError, match="judge"):

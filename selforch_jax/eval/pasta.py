@@ -374,7 +374,8 @@ def forced_plan(engine, tok, tv, prompts, fc, ec) -> dict:
 
 def pareto_figure(out: dict, judged: bool, workdir: str) -> None:
   """Draw ``workdir/pasta_pareto.png`` from ``out["systems"]`` (wall speedup vs quality: the
-  judge win rate when ``judged``, else AR NLL - system NLL; AR the reference star) and set
+  judge win rate when ``judged`` (:func:`run` judges the pareto runs too), else AR NLL - system
+  NLL; AR the reference star) and set
   ``out["pareto_png"]``; nothing when no system besides AR has both figures. Pareto runs
   labelled ``NAME/ROUND`` (``--config.pareto=lam1/r3=DIR,lam1/r6=DIR,...``) are joined by one
   line per NAME, from the ``pasta`` (SFT) point through its rounds in config order."""
@@ -402,7 +403,8 @@ def pareto_figure(out: dict, judged: bool, workdir: str) -> None:
     lab = p["label"]
     if lab.startswith("pasta[") and "/" in lab:
       series.setdefault(lab[len("pasta["):].split("/")[0],
-                        ["pasta"] if "pasta" in out["systems"] else []).append(lab)
+                        ["pasta"] if any(q["label"] == "pasta" for q in points) else []
+                        ).append(lab)
   out["pareto_png"] = pareto_plot(points, os.path.join(workdir, "pasta_pareto.png"),
                                   ylabel=ylabel, title=f"AlpacaEval n={n}",
                                   series=series or None)
@@ -508,16 +510,20 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       r.update(nll=nll(pr, resp), length=len(resp), prompt_index=ec.offset + i,
                system=f"pasta[{lab}]")
       rr.append(r)
-    out["systems"][f"pasta[{lab}]"] = summarize(rr, recs["ar"], ec)
+    js = None
+    if judge is not None:   # every point of the plot on one quality scale
+      js = judges.win_rate(judge, questions, [r["text"] for r in rr],
+                           [r["text"] for r in recs["ar"]], n_boot=ec.n_boot, seed=ec.seed)
+    out["systems"][f"pasta[{lab}]"] = summarize(rr, recs["ar"], ec, js)
     recs[f"pasta[{lab}]"] = rr
   if fc.n > 0:
     out["forced_plan"] = forced_plan(engine_for("forced"), p_tok, p_tv, p_prompts[:fc.n], fc, ec)
-  pareto_figure(out, judge is not None, workdir)
   out["total_wall_s"] = time.perf_counter() - t_start
   with open(os.path.join(workdir, "pasta_eval_records.jsonl"), "w", encoding="utf-8") as f:
     for s, rs in recs.items():
       for r in rs:
         f.write(json.dumps({k: v for k, v in r.items() if k != "ids"}, ensure_ascii=False) + "\n")
+  pareto_figure(out, judge is not None, workdir)
   with open(os.path.join(workdir, "pasta_eval.json"), "w") as f:
     json.dump(out, f, indent=2)
   return out

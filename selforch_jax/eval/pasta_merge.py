@@ -31,7 +31,7 @@ import os
 import ml_collections
 
 from selforch_jax.eval.pasta import pareto_figure, summarize, summary
-from selforch_jax.eval.shards import check_contiguous, load_reports, merge_cli, same_config
+from selforch_jax.eval.shards import check_contiguous, config_diff, load_reports, merge_cli
 
 __all__ = ["merge", "main"]
 
@@ -49,7 +49,11 @@ def _records(d: str, part: dict) -> dict[str, list[dict]]:
         by.setdefault(r["system"], []).append(r)
   want = list(range(*part["subset"]))
   for s in part["systems"]:
-    got = [r["prompt_index"] for r in by.get(s, [])]
+    if s not in by:
+      raise ValueError(f"{path} has no records of system {s!r} (a stale or foreign records "
+                       "file; pareto runs' records are named pasta[LABEL] since this merge "
+                       "exists)")
+    got = [r["prompt_index"] for r in by[s]]
     if got != want:
       raise ValueError(f"{path}: the {s} records are prompts {got[:3]}...{got[-3:]} "
                        f"({len(got)}), not {part['subset']} (a stale or foreign records file)")
@@ -74,17 +78,19 @@ def merge(shard_dirs: list[str], out_dir: str) -> dict:
       systems; prompt ranges that overlap or leave a gap; records that are not their shard's
       prompts.
   """
-  shards = load_reports(shard_dirs, out_dir, "pasta_eval.json")
+  shards = load_reports(shard_dirs, out_dir, "pasta_eval.json", "PASTA")
   first = shards[0][1]
   cfg = first["config"]
   for d, s in shards[1:]:
-    if not same_config(cfg, s["config"]):
-      raise ValueError(f"{d}: its config differs from {shard_dirs[0]}'s beyond offset/n")
+    diff = config_diff(cfg, s["config"])
+    if diff:
+      raise ValueError(f"{d}: its config differs from {shard_dirs[0]}'s beyond offset/n: "
+                       f"{', '.join(diff)}")
     if list(s["systems"]) != list(first["systems"]):
       raise ValueError(f"{d}: systems {list(s['systems'])} != {list(first['systems'])}")
   if cfg["judge"]["backend"] not in ("", "none"):
-    raise ValueError("judge win rates are not in the records: merge shards run without a judge "
-                     "(judge.backend='') and judge the merged outputs")
+    raise ValueError("judge win rates are not in the records, so judged shards cannot be "
+                     "merged: run a judged eval unsharded (or shard with judge.backend='')")
   if cfg["forced"]["n"] > 0:
     raise ValueError("forced-plan figures are not in the records: run the shards with forced.n=0")
   parts = check_contiguous([(d, s) for d, s in shards], "AlpacaEval")

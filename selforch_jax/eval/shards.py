@@ -9,11 +9,13 @@ import json
 import os
 from typing import Callable
 
-__all__ = ["load_reports", "same_config", "check_contiguous", "merge_cli"]
+__all__ = ["load_reports", "config_diff", "check_contiguous", "merge_cli"]
 
 
-def load_reports(shard_dirs: list[str], out_dir: str, report: str) -> list[tuple[str, dict]]:
-  """``[(shard_dir, report dict)]``: each shard's finished ``report`` (e.g. ``tip_eval.json``).
+def load_reports(shard_dirs: list[str], out_dir: str, report: str,
+                 what: str) -> list[tuple[str, dict]]:
+  """``[(shard_dir, report dict)]``: each shard's finished ``report`` (e.g. ``tip_eval.json``;
+  ``what`` names the eval in errors, e.g. "TIP").
 
   Raises:
     ValueError: fewer than two shards, or ``out_dir`` is one of them (the merge would overwrite
@@ -28,20 +30,26 @@ def load_reports(shard_dirs: list[str], out_dir: str, report: str) -> list[tuple
   for d in shard_dirs:
     path = os.path.join(d, report)
     if not os.path.exists(path):
-      raise FileNotFoundError(f"{d}: no {report} (not a finished eval workdir)")
+      raise FileNotFoundError(f"{d}: no {report} (not a finished {what} eval workdir)")
     with open(path) as f:
       shards.append((d, json.load(f)))
   return shards
 
 
-def same_config(a: dict, b: dict, section: str | None = None) -> bool:
-  """Whether two saved eval configs are equal beyond ``offset`` and ``n`` (of ``section``, or
-  top-level keys when None)."""
-  def strip(c):
-    if section is None:
-      return {k: v for k, v in c.items() if k not in ("offset", "n")}
-    return {**c, section: {k: v for k, v in c[section].items() if k not in ("offset", "n")}}
-  return strip(a) == strip(b)
+def config_diff(a: dict, b: dict, section: str | None = None) -> list[str]:
+  """The dotted keys whose values differ between two saved eval configs, ignoring ``offset``
+  and ``n`` (of ``section``, or top-level when None); empty when the shards may merge."""
+  def flat(c, prefix=""):
+    out = {}
+    for k, v in c.items():
+      if isinstance(v, dict):
+        out.update(flat(v, f"{prefix}{k}."))
+      else:
+        out[f"{prefix}{k}"] = v
+    return out
+  skip = {f"{section}.{k}" if section else k for k in ("offset", "n")}
+  fa, fb = flat(a), flat(b)
+  return sorted(k for k in set(fa) | set(fb) if k not in skip and fa.get(k) != fb.get(k))
 
 
 def check_contiguous(parts: list[tuple[str, dict]], what: str) -> list[tuple[str, dict]]:

@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-from selforch_jax.eval.shards import check_contiguous, load_reports, merge_cli, same_config
+from selforch_jax.eval.shards import check_contiguous, config_diff, load_reports, merge_cli
 from selforch_jax.eval.tip import (
     TEACHER_FORCED_MEANS, compare_systems, plot, question_texts, summary, system_summary,
     teacher_forced_figures,
@@ -88,11 +88,13 @@ def merge(shard_dirs: list[str], out_dir: str) -> dict:
       their shard's range; teacher-forced figures in only some shards.
   """
   from selforch_jax.data.sources import load_examples
-  shards = load_reports(shard_dirs, out_dir, "tip_eval.json")
+  shards = load_reports(shard_dirs, out_dir, "tip_eval.json", "TIP")
   first = shards[0][1]
   for d, s in shards[1:]:
-    if not same_config(first["config"], s["config"], "eval"):
-      raise ValueError(f"{d}: its config differs from {shard_dirs[0]}'s beyond eval.offset/n")
+    diff = config_diff(first["config"], s["config"], "eval")
+    if diff:
+      raise ValueError(f"{d}: its config differs from {shard_dirs[0]}'s beyond eval.offset/n: "
+                       f"{', '.join(diff)}")
     if list(s["datasets"]) != list(first["datasets"]):
       raise ValueError(f"{d}: datasets {list(s['datasets'])} != {list(first['datasets'])}")
   ec = first["config"]["eval"]
