@@ -75,6 +75,26 @@ def _last_metrics(workdir: str, step: int) -> dict:
   return out
 
 
+def _logged_step(config, step: int) -> int:
+  """The ``metrics.jsonl`` step of checkpoint ``step``: a policy-optimization run numbers its
+  checkpoints in optimizer steps but logs one record per loop step (``grpo.inner_steps`` /
+  ``bonbon.updates_per_round`` optimizer steps each; ``trainers/po_run.py``)."""
+  trainer = config.get("trainer", "sft")
+  if trainer == "grpo":
+    return step // int(config.grpo.inner_steps)
+  if trainer == "bonbon":
+    return step // int(config.bonbon.updates_per_round)
+  return step
+
+
+def _training_sections(config) -> dict:
+  """The run's sections for the model card: ``optim``, ``train`` and ``data`` (SFT) or the
+  policy-optimization section (``grpo`` / ``bonbon``: its prompts, lambda, init_from)."""
+  trainer = config.get("trainer", "sft")
+  keys = ("optim", "train", trainer) if trainer in ("grpo", "bonbon") else ("data", "optim", "train")
+  return {k: config[k].to_dict() for k in keys if k in config}
+
+
 def export_adapter(workdir: str, out_dir: str, step: int | None = None) -> str:
   """Write the adapter of a LoRA run (see the module docstring) to ``out_dir``.
 
@@ -112,8 +132,8 @@ def export_adapter(workdir: str, out_dir: str, step: int | None = None) -> str:
           "added_tokens": _added_tokens(tok, mc, rows_from, vocab) if tok is not None else [],
           "tensors": {k: list(v.shape) for k, v in sorted(tensors.items())},
           "source": {"workdir": workdir, "step": int(step)},
-          "training": {k: config[k].to_dict() for k in ("data", "optim", "train") if k in config},
-          "metrics": _last_metrics(workdir, int(step))}
+          "training": _training_sections(config),
+          "metrics": _last_metrics(workdir, _logged_step(config, int(step)))}
   os.makedirs(out_dir, exist_ok=True)
   # contiguous copies: safetensors writes a transposed view's buffer in its memory order
   save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},

@@ -115,12 +115,21 @@ def test_tag_rows_travel_when_the_run_did_not_train_them(run, monkeypatch, tmp_p
   rows: the adapter still carries them, and the reload equals the run."""
   import selforch_jax.trainers.restore as restore
   from selforch_jax.trainers.restore import restore_run
+  from selforch_jax.trainers.bonbon_config import bonbon_defaults
   config, m, tok, step = restore_run(run[1])
   config.train.train_embed_rows_from = -1
-  monkeypatch.setattr(restore, "restore_run", lambda wd, step=None: (config, m, tok, 2))
-  out = export_adapter(str(tmp_path / "wd"), str(tmp_path / "po"))
+  config.trainer, config.bonbon = "bonbon", bonbon_defaults()   # a PO run: 2 updates per round
+  config.bonbon.quality_weight = 4.0
+  monkeypatch.setattr(restore, "restore_run", lambda wd, step=None: (config, m, tok, 4))
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  (wd / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n"
+                                            for s in (1, 2, 3)))   # one record per round
+  out = export_adapter(str(wd), str(tmp_path / "po"))
   meta = json.load(open(os.path.join(out, "adapter_config.json")))
   assert meta["rows_from"] == 49152 and meta["tensors"]["embed_rows"] == [15, 64]
+  assert meta["source"]["step"] == 4 and meta["metrics"]["train"]["step"] == 2   # round 2
+  assert meta["training"]["bonbon"]["quality_weight"] == 4.0 and "data" not in meta["training"]
   model, tok2 = load_adapter(out)
   ids = tok2.encode(TEXT)
   ref, _ = load_finetuned(run[1])

@@ -74,7 +74,7 @@ def test_merged_shards_equal_one_run_over_the_union(runs, tmp_path):
 
 
 def test_merge_refuses_overlaps_other_configs_judges_and_stale_records(runs, tmp_path):
-  with pytest.raises(ValueError, match="overlap or leave a gap"):
+  with pytest.raises(ValueError, match=r"\[1, 3\] \(.*\) overlap: shards must cover"):
     merge([runs["full"], runs["b"]], str(tmp_path / "x"))
   with pytest.raises(ValueError, match="one of the shards"):
     merge([runs["a"], runs["b"]], runs["a"])
@@ -106,6 +106,11 @@ def test_merge_refuses_overlaps_other_configs_judges_and_stale_records(runs, tmp
   a_judged = variant("aj", lambda r: r["config"]["judge"].update(backend="local"))
   with pytest.raises(ValueError, match="judge"):
     merge([judged, a_judged], str(tmp_path / "x"))
+  gap = variant("g", lambda r: r.update(subset=[2, 3]))
+  with pytest.raises(ValueError, match=r"\[0, 1\] \(.*\) and \[2, 3\] \(.*\) leave a gap"):
+    merge([runs["a"], gap], str(tmp_path / "x"))
+  with pytest.raises(ValueError, match="overlap \\(one directory given twice\\)"):
+    merge([runs["a"], runs["a"]], str(tmp_path / "x"))
   stale = variant("s", lambda r: None, records=lambda lines: lines[:-1])
   with pytest.raises(ValueError, match="stale or foreign"):
     merge([runs["a"], stale], str(tmp_path / "x"))

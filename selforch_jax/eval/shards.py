@@ -61,8 +61,10 @@ def check_contiguous(parts: list[tuple[str, dict]], what: str) -> list[tuple[str
   parts = sorted(parts, key=lambda x: x[1]["subset"][0])
   for (d0, a), (d1, b) in zip(parts, parts[1:]):
     if a["subset"][1] != b["subset"][0]:
-      raise ValueError(f"{what}: problems {a['subset']} ({d0}) and {b['subset']} ({d1}) "
-                       "overlap or leave a gap")
+      twice = " (one directory given twice)" if os.path.realpath(d0) == os.path.realpath(d1) else ""
+      raise ValueError(f"{what}: ranges {a['subset']} ({d0}) and {b['subset']} ({d1}) "
+                       f"{'overlap' if b['subset'][0] < a['subset'][1] else 'leave a gap'}"
+                       f"{twice}: shards must cover contiguous offset/n ranges, each once")
   return parts
 
 
