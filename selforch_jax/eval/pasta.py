@@ -489,12 +489,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
          "models": {"baseline": config.baseline or config.model.weights,
                     "pasta": config.pasta or f"{config.model.weights} + untrained tag rows"},
          "systems": {}}
-  for s in systems:
-    js = None
-    if judge is not None and s != "ar":
-      js = judges.win_rate(judge, questions, [r["text"] for r in recs[s]],
+  def judged(rs):   # the judge's win rate vs AR (None without a judge)
+    if judge is None:
+      return None
+    return judges.win_rate(judge, questions, [r["text"] for r in rs],
                            [r["text"] for r in recs["ar"]], n_boot=ec.n_boot, seed=ec.seed)
-    out["systems"][s] = summarize(recs[s], recs["ar"], ec, js)
+
+  for s in systems:
+    out["systems"][s] = summarize(recs[s], recs["ar"], ec, judged(recs[s]) if s != "ar" else None)
   for lab, path in _pareto_runs(config.pareto):
     m, t, tv = _load(config, path)
     e = make_engine(m, sizes["pasta"], ps)
@@ -510,11 +512,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       r.update(nll=nll(pr, resp), length=len(resp), prompt_index=ec.offset + i,
                system=f"pasta[{lab}]")
       rr.append(r)
-    js = None
-    if judge is not None:   # every point of the plot on one quality scale
-      js = judges.win_rate(judge, questions, [r["text"] for r in rr],
-                           [r["text"] for r in recs["ar"]], n_boot=ec.n_boot, seed=ec.seed)
-    out["systems"][f"pasta[{lab}]"] = summarize(rr, recs["ar"], ec, js)
+    # judged too: every point of the plot on one quality scale
+    out["systems"][f"pasta[{lab}]"] = summarize(rr, recs["ar"], ec, judged(rr))
     recs[f"pasta[{lab}]"] = rr
   if fc.n > 0:
     out["forced_plan"] = forced_plan(engine_for("forced"), p_tok, p_tv, p_prompts[:fc.n], fc, ec)
