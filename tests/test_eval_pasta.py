@@ -49,6 +49,11 @@ def test_eval_pasta_tiny(tmp_path, tiny_tagged_model_dir):
       assert by[("pasta", i)]["text"] == by[("ar", i)]["text"]
       assert by[("pasta", i)]["nll"] == pytest.approx(by[("ar", i)]["nll"], abs=1e-5)
   assert out["systems"]["sot"]["length"]["n"] == 2
+  # the baseline is the base model here: the neutral reference NLL is the same forward
+  for r in recs:
+    if r["nll"] is not None:
+      assert r["nll_ref"] == pytest.approx(r["nll"], abs=1e-6)
+  assert saved["systems"]["pasta"]["nll_ref_minus_ar"]["n"] == 2
   # forced plan: 3 threads of 20 tokens each decoded together
   fp = saved["forced_plan"]
   assert fp["records"][0]["threads"] == 3
@@ -121,6 +126,32 @@ def test_pareto_plot_and_errors(tmp_path):
   c = eval_pasta.defaults()
   c.max_threads = 0
   with pytest.raises(Exception, match="max_threads=0 must be >= 1"):
+    eval_pasta.validate(c)
+
+
+def test_summarize_throughput_and_reference_nll():
+  """``throughput_speedup`` is the geometric mean of per-prompt (tokens/s) ratios, not the wall
+  ratio; ``nll_ref_minus_ar`` pairs prompts; records without ``nll_ref`` (older runs) give None."""
+  c = eval_pasta.defaults()
+  c.n_boot = 200
+  ar = [dict(wall_s=2.0, length=100, theoretical_speedup=1.0, tokens_per_forward=1.0,
+             parsed=True, nll=1.0, nll_ref=2.0),
+        dict(wall_s=4.0, length=200, theoretical_speedup=1.0, tokens_per_forward=1.0,
+             parsed=True, nll=1.0, nll_ref=2.5)]
+  sys_ = [dict(wall_s=1.0, length=50, theoretical_speedup=2.0, tokens_per_forward=2.0,
+               parsed=True, nll=1.5, nll_ref=2.25),
+          dict(wall_s=1.0, length=200, theoretical_speedup=2.0, tokens_per_forward=2.0,
+               parsed=True, nll=1.5, nll_ref=2.25)]
+  got = eval_pasta.summarize(sys_, ar, c)
+  assert got["wall_speedup"]["mean"] == pytest.approx(math.sqrt(2.0 * 4.0))
+  # prompt 0: 50 tok/s vs 50 tok/s = 1; prompt 1: 200 vs 50 = 4
+  assert got["throughput_speedup"]["mean"] == pytest.approx(2.0)
+  assert got["nll_ref_minus_ar"]["mean"] == pytest.approx(0.0)
+  assert got["nll_ref"]["mean"] == pytest.approx(2.25)
+  old = [{k: v for k, v in r.items() if k != "nll_ref"} for r in sys_]
+  assert eval_pasta.summarize(old, ar, c)["nll_ref_minus_ar"] is None
+  c.nll_ref = "no/such/dir"
+  with pytest.raises(Exception, match="nll_ref='no/such/dir'"):
     eval_pasta.validate(c)
 
 

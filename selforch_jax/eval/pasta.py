@@ -36,9 +36,16 @@ Figures per system, each with n and a bootstrap 95% CI (:mod:`selforch_jax.eval.
   promise topic of ``max_topic_tokens`` tokens (default 12; 0 = no limit) must go on with its
   length; SoT:
   the skeleton had numbered points; APAR: at least one fork;
+* ``throughput_speedup``: geometric mean over prompts of the system's response tokens (de-tagged)
+  per wall-clock second over AR's on the same prompt: the speedup a reader of the answer sees
+  when both answers are cut at ``max_new_tokens`` (PASTA's budget counts its tags and plans too);
 * judge-free quality: ``nll`` — mean per-token negative log-likelihood (nats) of the de-tagged
   response under the baseline model given the chat prompt (one full forward), and its paired
-  difference to AR's (``nll_minus_ar``; lower is better); ``length`` — response tokens;
+  difference to AR's (``nll_minus_ar``; lower is better). AR's greedy answer is the baseline
+  model's own mode, so this measure favours AR over any other model's answer; ``nll_ref`` /
+  ``nll_ref_minus_ar`` are the same under ``config.nll_ref`` (default ``"base"``: the base
+  weights of ``config.model``, which wrote none of the answers; a model directory also works;
+  ``""`` turns it off); ``length`` — response tokens;
 * ``win_rate`` vs the AR output when ``config.judge.backend`` is set
   (:mod:`selforch_jax.eval.judges`).
 
@@ -83,7 +90,7 @@ def defaults() -> ml_collections.ConfigDict:
       apar=dict(child_tokens=64, max_forks=8),
       judge=dict(backend="", url="", model="", api_key_env="OPENAI_API_KEY"),
       forced=dict(n=0, promises=6, length=3, cap=1),
-      n_boot=10000, seed=0, warmup=True,
+      nll_ref="base", n_boot=10000, seed=0, warmup=True,
   ))
 
 
@@ -110,7 +117,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
                                  "'local'")
   if config.judge.backend == "openai" and not config.judge.url:
     raise config_lib.ConfigError("judge.backend='openai' needs judge.url")
-  for key, path in [("pasta", config.pasta), ("baseline", config.baseline),
+  nll_ref = [] if config.nll_ref in ("", "base") else [("nll_ref", config.nll_ref)]
+  for key, path in [("pasta", config.pasta), ("baseline", config.baseline), *nll_ref,
                     *[(f"pareto[{lab}]", p) for lab, p in _pareto_runs(config.pareto)]]:
     if path and not is_model_dir(path):
       raise config_lib.ConfigError(f"{key}={path!r} is {MODEL_DIRS}")
@@ -323,12 +331,17 @@ def summarize(recs: list[dict], ar_recs: list[dict], ec, judge_scores=None) -> d
   out = {
       "n": len(recs),
       "wall_speedup": _geo_ci([a["wall_s"] / r["wall_s"] for r, a in zip(recs, ar_recs)], ec),
+      "throughput_speedup": _geo_ci([(r["length"] / r["wall_s"]) / (a["length"] / a["wall_s"])
+                                     for r, a in zip(recs, ar_recs) if a["length"]], ec),
       "theoretical_speedup": _ci([r["theoretical_speedup"] for r in recs], ec),
       "tokens_per_forward": _ci([r["tokens_per_forward"] for r in recs], ec),
       "parse_rate": _ci([float(r["parsed"]) for r in recs], ec),
       "parse_rate_strict": _ci([float(r.get("parsed_strict", r["parsed"])) for r in recs], ec),
       "nll": _ci([r["nll"] for r in recs], ec),
       "nll_minus_ar": _paired([r["nll"] for r in recs], [a["nll"] for a in ar_recs], ec),
+      "nll_ref": _ci([r.get("nll_ref") for r in recs], ec),
+      "nll_ref_minus_ar": _paired([r.get("nll_ref") for r in recs],
+                                  [a.get("nll_ref") for a in ar_recs], ec),
       "length": _ci([r["length"] for r in recs], ec),
       "wall_s": _ci([r["wall_s"] for r in recs], ec),
   }
@@ -463,6 +476,17 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   for s in systems:
     engine_for(s)
   nll = _NLL(base_model)
+  if config.nll_ref == "base":   # the weights every model here was tuned from
+    nll_ref = nll if not config.baseline else _NLL(_load(config, "")[0])
+  else:
+    nll_ref = _NLL(_load(config, config.nll_ref)[0]) if config.nll_ref else None
+
+  def quality(r, prompt):   # judge-free quality of one answer (module docstring), in place
+    resp = base_tok.encode(r["text"])
+    r.update(nll=nll(prompt, resp), length=len(resp))
+    if nll_ref is not None:
+      r["nll_ref"] = nll_ref(prompt, resp)
+
   recs = {s: [] for s in systems}
   for i, (q, pr, pp) in enumerate(zip(questions, prompts, p_prompts)):
     for s in systems:
@@ -475,8 +499,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         r = run_sot(engine_for("sot"), base_tok, q, sc)
       else:
         r = run_apar(engine_for("apar"), base_tok, pr, ec.max_new_tokens, apc)
-      resp = base_tok.encode(r["text"])
-      r.update(nll=nll(pr, resp), length=len(resp), prompt_index=ec.offset + i, system=s)
+      quality(r, pr)
+      r.update(prompt_index=ec.offset + i, system=s)
       recs[s].append(r)
     print(f"  {i + 1}/{len(rows)}: " + " ".join(
         f"{s} {recs[s][-1]['wall_s']:.2f}s" for s in systems), file=sys.stderr)
@@ -508,9 +532,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       r = run_pasta(e, t, tv, t.encode_chat(prompt_and_reference(rows[i])[0],
                                             add_generation_prompt=True), ec.max_new_tokens, ec.cap,
                     **opts)
-      resp = base_tok.encode(r["text"])
-      r.update(nll=nll(pr, resp), length=len(resp), prompt_index=ec.offset + i,
-               system=f"pasta[{lab}]")
+      quality(r, pr)
+      r.update(prompt_index=ec.offset + i, system=f"pasta[{lab}]")
       rr.append(r)
     # judged too: every point of the plot on one quality scale
     out["systems"][f"pasta[{lab}]"] = summarize(rr, recs["ar"], ec, judged(rr))
@@ -531,10 +554,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 def summary(out: dict) -> str:
   """Human-readable lines: one per system with every figure's mean [lo, hi] (n)."""
   from selforch_jax.eval.stats import format_ci
-  lines = [f"AlpacaEval prompts {out['subset'][0]}..{out['subset'][1]} (n={out['n']}), "
+  lines = [f"AlpacaEval prompts [{out['subset'][0]}, {out['subset'][1]}) (n={out['n']}), "
            f"total {out['total_wall_s']:.0f} s"]
-  keys = ("wall_speedup", "theoretical_speedup", "tokens_per_forward", "parse_rate",
-          "parse_rate_strict", "nll", "nll_minus_ar", "length", "win_rate_vs_ar")
+  keys = ("wall_speedup", "throughput_speedup", "theoretical_speedup", "tokens_per_forward",
+          "parse_rate", "parse_rate_strict", "nll", "nll_minus_ar", "nll_ref", "nll_ref_minus_ar",
+          "length", "win_rate_vs_ar")
   for name, s in out["systems"].items():
     lines.append(f"{name}:")
     for k in keys:
