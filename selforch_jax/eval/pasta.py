@@ -13,7 +13,8 @@ In one run, batch 1, greedy, on the first ``n`` AlpacaEval instructions
   the baseline model (both are methods for an untrained-for-PASTA model);
 * every run in ``config.pareto`` (``label=workdir,...``: PASTA runs per λ / round; labels
   ``NAME/ROUND`` draw one line per NAME in the plot) decoded with
-  PASTA, for the Pareto plot.
+  PASTA, for the Pareto plot, prompt by prompt beside the main systems (every wall ratio compares
+  timings taken under the same machine load).
 
 Each of these paths may be a training workdir, an adapter directory (:mod:`selforch_jax.adapter`)
 or a Hugging Face directory.
@@ -487,7 +488,18 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if nll_ref is not None:
       r["nll_ref"] = nll_ref(prompt, resp)
 
-  recs = {s: [] for s in systems}
+  # pareto runs are decoded prompt by prompt beside the main systems, so that every wall ratio
+  # compares timings taken under the same machine load
+  pareto = []   # (system name, engine, tokenizer, TagVocab, chat prompts)
+  for lab, path in _pareto_runs(config.pareto):
+    m, t, tv = _load(config, path)
+    e = make_engine(m, sizes["pasta"], ps)
+    if config.warmup:
+      warm_up(e, max(P, 256 + P, 2 * sc.max_points + 8), pasta_constraint_ids(tv, t, opts))
+    pareto.append((f"pasta[{lab}]", e, t, tv,
+                   [t.encode_chat(prompt_and_reference(r)[0], add_generation_prompt=True)
+                    for r in rows]))
+  recs = {s: [] for s in systems + [p[0] for p in pareto]}
   for i, (q, pr, pp) in enumerate(zip(questions, prompts, p_prompts)):
     for s in systems:
       if s == "ar":
@@ -502,8 +514,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       quality(r, pr)
       r.update(prompt_index=ec.offset + i, system=s)
       recs[s].append(r)
+    for name, e, t, tv, pps in pareto:
+      r = run_pasta(e, t, tv, pps[i], ec.max_new_tokens, ec.cap, **opts)
+      quality(r, pr)
+      r.update(prompt_index=ec.offset + i, system=name)
+      recs[name].append(r)
     print(f"  {i + 1}/{len(rows)}: " + " ".join(
-        f"{s} {recs[s][-1]['wall_s']:.2f}s" for s in systems), file=sys.stderr)
+        f"{s} {rs[-1]['wall_s']:.2f}s" for s, rs in recs.items()), file=sys.stderr)
   judge = judges.make_judge(  # a local judge reads two answers: the largest pool
       config.judge, engine_for("sot") if config.judge.backend == "local" else None, base_tok)
   out = {"n": len(rows), "subset": [ec.offset, ec.offset + len(rows)],
@@ -519,25 +536,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return judges.win_rate(judge, questions, [r["text"] for r in rs],
                            [r["text"] for r in recs["ar"]], n_boot=ec.n_boot, seed=ec.seed)
 
-  for s in systems:
-    out["systems"][s] = summarize(recs[s], recs["ar"], ec, judged(recs[s]) if s != "ar" else None)
-  for lab, path in _pareto_runs(config.pareto):
-    m, t, tv = _load(config, path)
-    e = make_engine(m, sizes["pasta"], ps)
-    if config.warmup:
-      warm_up(e, max(P, 2 * sc.max_points + 8),
-              pasta_constraint_ids(tv, t, opts))
-    rr = []
-    for i, pr in enumerate(prompts):
-      r = run_pasta(e, t, tv, t.encode_chat(prompt_and_reference(rows[i])[0],
-                                            add_generation_prompt=True), ec.max_new_tokens, ec.cap,
-                    **opts)
-      quality(r, pr)
-      r.update(prompt_index=ec.offset + i, system=f"pasta[{lab}]")
-      rr.append(r)
-    # judged too: every point of the plot on one quality scale
-    out["systems"][f"pasta[{lab}]"] = summarize(rr, recs["ar"], ec, judged(rr))
-    recs[f"pasta[{lab}]"] = rr
+  for s, rs in recs.items():   # the pareto runs are judged too: one quality scale in the plot
+    out["systems"][s] = summarize(rs, recs["ar"], ec, judged(rs) if s != "ar" else None)
   if fc.n > 0:
     out["forced_plan"] = forced_plan(engine_for("forced"), p_tok, p_tv, p_prompts[:fc.n], fc, ec)
   out["total_wall_s"] = time.perf_counter() - t_start
