@@ -7,7 +7,8 @@ runtime forks a thread per promise), scores each response
   score = theoretical_speedup + lambda * quality,
   theoretical_speedup = response tokens / critical-path decode steps (trainers/bonbon.py:
                         1.0 for a plain AR answer, more when threads run in parallel),
-  quality = -(mean per-token NLL of the response under pi_ref)   (judge-free),
+  quality = -(mean per-token NLL of the response under pi_ref)   (judge-free, the default;
+            bonbon.quality=judge: the pairwise judge's score against the reference answer),
 
 with lambda = ``bonbon.quality_weight`` (arg ``quality_weight``), pairs the best and the worst
 response of each prompt and trains alpha * SFT(best) + IPO against the initial model
@@ -19,8 +20,11 @@ one CPU core: 6 rounds of 8 prompts x 4 samples, about 4.5 min per round):
   python -m selforch_jax.train --config=configs/pasta_po.py:init_from=out/pasta_sft,quality_weight=1 \
       --workdir=out/pasta_po_l1
   # a round's policy as an adapter (checkpoints are numbered in optimizer steps: round r is
-  # step r * bonbon.updates_per_round, 4 r by default; here round 3)
-  python -m selforch_jax.export --workdir=out/pasta_po_l1 --step=12 --out=out/po_l1_r3 --adapter
+  # step r * bonbon.updates_per_round; --round does that arithmetic; here round 3 = step 12)
+  python -m selforch_jax.export --workdir=out/pasta_po_l1 --round=3 --out=out/po_l1_r3 --adapter
+  # quality from a pairwise judge against the Alpaca reference answers (the paper's quality):
+  ... --config.bonbon.quality=judge --config.bonbon.judge.backend=openai \
+      --config.bonbon.judge.url=http://localhost:8000/v1 --config.bonbon.judge.model=NAME
   # tiny smoke run (random weights, the real tokenizer):
   python -m selforch_jax.train --config=configs/pasta_po.py:model=tiny_smollm2,steps=1 \
       --config.bonbon.max_new_tokens=8 --workdir=/tmp/pasta_po

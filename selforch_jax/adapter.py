@@ -77,14 +77,11 @@ def _last_metrics(workdir: str, step: int) -> dict:
 
 def _logged_step(config, step: int) -> int:
   """The ``metrics.jsonl`` step of checkpoint ``step``: a policy-optimization run numbers its
-  checkpoints in optimizer steps but logs one record per loop step (``grpo.inner_steps`` /
-  ``bonbon.updates_per_round`` optimizer steps each; ``trainers/po_run.py``)."""
-  trainer = config.get("trainer", "sft")
-  if trainer == "grpo":
-    return step // int(config.grpo.inner_steps)
-  if trainer == "bonbon":
-    return step // int(config.bonbon.updates_per_round)
-  return step
+  checkpoints in optimizer steps but logs one record per round
+  (:func:`selforch_jax.trainers.restore.steps_per_round`)."""
+  from selforch_jax.trainers.restore import steps_per_round
+  per = steps_per_round(config)
+  return step if per is None else step // per
 
 
 def _training_sections(config) -> dict:
@@ -113,7 +110,7 @@ def export_adapter(workdir: str, out_dir: str, step: int | None = None) -> str:
   """
   from safetensors.numpy import save_file
 
-  from selforch_jax.trainers.restore import restore_run
+  from selforch_jax.trainers.restore import restore_run, steps_per_round
 
   config, model, tok, step = restore_run(workdir, step)
   mc = config.model
@@ -127,11 +124,14 @@ def export_adapter(workdir: str, out_dir: str, step: int | None = None) -> str:
     if tag_ids:
       rows_from = min(tag_ids) if rows_from < 0 else min(rows_from, min(tag_ids))
   tensors = _lora_tensors(model) | _row_tensors(model, rows_from)
+  source = {"workdir": workdir, "step": int(step)}
+  if steps_per_round(config) is not None:   # a policy-optimization run: its round too
+    source["round"] = _logged_step(config, int(step))
   meta = {"format": "selforch_jax.adapter/1", "model": mc.to_dict(), "rows_from": rows_from,
           "vocab_size": vocab,
           "added_tokens": _added_tokens(tok, mc, rows_from, vocab) if tok is not None else [],
           "tensors": {k: list(v.shape) for k, v in sorted(tensors.items())},
-          "source": {"workdir": workdir, "step": int(step)},
+          "source": source,
           "training": _training_sections(config),
           "metrics": _last_metrics(workdir, _logged_step(config, int(step)))}
   os.makedirs(out_dir, exist_ok=True)

@@ -1,9 +1,11 @@
 r"""Export a training run to a Hugging Face directory (safetensors + tokenizer), or its adapter.
 
-  python -m selforch_jax.export --workdir=out/sft --out=out/sft_hf [--step=N] [--dtype=float32]
+  python -m selforch_jax.export --workdir=out/sft --out=out/sft_hf [--step=N | --round=R] [--dtype=float32]
   python -m selforch_jax.export --workdir=out/pasta_sft --out=out/pasta_adapter --adapter
+  python -m selforch_jax.export --workdir=out/pasta_po_l4 --round=4 --out=out/l4_r4 --adapter
 
-Restores the run's checkpoint (latest, or ``--step``) with the config saved in it, folds
+Restores the run's checkpoint (latest, ``--step``, or ``--round`` of a policy-optimization run,
+whose checkpoints count optimizer steps) with the config saved in it, folds
 LoRA adapters into the base weights, and writes ``config.json``, ``model.safetensors``,
 ``generation_config.json`` and the tokenizer files, so that
 ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads it and gives the same
@@ -23,6 +25,8 @@ from selforch_jax.trainers.restore import export_run
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run directory (holds checkpoints/)")
 _OUT = flags.DEFINE_string("out", None, "output directory for the HF checkpoint")
 _STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
+_ROUND = flags.DEFINE_integer("round", None, "round of a policy-optimization run (BoNBoN / GRPO; "
+                              "its checkpoint step is round x optimizer steps per round)")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "tensor dtype: float32, bfloat16 or float16")
 _ADAPTER = flags.DEFINE_bool("adapter", False, "write only the LoRA adapter + new token rows "
                              "(selforch_jax.adapter) instead of the full merged model")
@@ -35,14 +39,20 @@ def main(argv):
     raise app.UsageError("--workdir and --out are required")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  if _STEP.value is not None and _ROUND.value is not None:
+    raise app.UsageError("give --step or --round, not both")
   try:
+    step = _STEP.value
+    if _ROUND.value is not None:
+      from selforch_jax.trainers.restore import round_step
+      step = round_step(_WORKDIR.value, _ROUND.value)
     if _ADAPTER.value:
       if flags.FLAGS["dtype"].present:
         raise ValueError("--dtype does not apply to --adapter (adapter tensors are float32)")
       from selforch_jax.adapter import export_adapter
-      out = export_adapter(_WORKDIR.value, _OUT.value, _STEP.value)
+      out = export_adapter(_WORKDIR.value, _OUT.value, step)
     else:
-      out = export_run(_WORKDIR.value, _OUT.value, _STEP.value, _DTYPE.value)
+      out = export_run(_WORKDIR.value, _OUT.value, step, _DTYPE.value)
   except (FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -110,6 +110,38 @@ def test_errors(run, adapter, tmp_path):
     load_adapter(ids)
 
 
+def test_round_step_counts_optimizer_steps_per_round(run, monkeypatch, tmp_path):
+  """``export --round=R`` of a BoNBoN run with 4 updates per round restores step 4R; an SFT run
+  has no rounds; a step that was not kept is named with the steps that were."""
+  import selforch_jax.trainers.checkpoint as checkpoint
+  from selforch_jax.trainers.restore import restore_run, round_step
+
+  class FakeCheckpointer:
+    def __init__(self, workdir, async_save=True):
+      pass
+
+    def all_steps(self):
+      return [8, 12, 16]
+
+    def restore_config(self, step=None):
+      return {"trainer": "bonbon", "bonbon": {"updates_per_round": 4}}
+
+    def close(self):
+      pass
+
+  with pytest.raises(ValueError, match="is an SFT run"):
+    round_step(run[1], 1)
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 1 .*kept: \[2\]"):
+    restore_run(run[1], 1)
+  (tmp_path / "checkpoints").mkdir()
+  monkeypatch.setattr(checkpoint, "Checkpointer", FakeCheckpointer)
+  assert round_step(str(tmp_path), 3) == 12
+  with pytest.raises(FileNotFoundError, match=r"round 1 \(step 4\); rounds kept: \[2, 3, 4\]"):
+    round_step(str(tmp_path), 1)
+  with pytest.raises(ValueError, match="round 0 must be >= 1"):
+    round_step(str(tmp_path), 0)
+
+
 def test_tag_rows_travel_when_the_run_did_not_train_them(run, monkeypatch, tmp_path):
   """A policy-optimization run (train_embed_rows_from = -1) inherits its SFT run's trained tag
   rows: the adapter still carries them, and the reload equals the run."""
@@ -128,7 +160,8 @@ def test_tag_rows_travel_when_the_run_did_not_train_them(run, monkeypatch, tmp_p
   out = export_adapter(str(wd), str(tmp_path / "po"))
   meta = json.load(open(os.path.join(out, "adapter_config.json")))
   assert meta["rows_from"] == 49152 and meta["tensors"]["embed_rows"] == [15, 64]
-  assert meta["source"]["step"] == 4 and meta["metrics"]["train"]["step"] == 2   # round 2
+  assert meta["source"] == {"workdir": str(wd), "step": 4, "round": 2}
+  assert meta["metrics"]["train"]["step"] == 2   # round 2's record
   assert meta["training"]["bonbon"]["quality_weight"] == 4.0 and "data" not in meta["training"]
   model, tok2 = load_adapter(out)
   ids = tok2.encode(TEXT)

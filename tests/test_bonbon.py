@@ -102,12 +102,7 @@ def test_pasta_po_round_on_a_tiny_model(tmp_path):
   """configs/pasta_po.py runs a BoNBoN round end to end (tiny random model, the "ar" scheduler:
   it emits tags as text tokens, laid out with build_layout)."""
   from selforch_jax.trainers.po_run import train_po
-  c = load_config("configs/pasta_po.py", "model=tiny_smollm2,steps=1,scheduler=ar,lora_rank=0")
-  b = c.bonbon
-  b.max_new_tokens, b.num_samples, b.prompts_per_round, b.max_prompt_tokens = 6, 2, 2, 100
-  b.max_examples, b.updates_per_round = 40, 1
-  c.train.async_checkpoint = False
-  c.optim.lr = 1e-3
+  c = _tiny_po_config()
   s = train_po(c, str(tmp_path))
   assert s["step"] == 1 and s["optimizer_steps"] == 1
   assert s["pairs"] >= 1 and np.isfinite(s["loss"])
@@ -115,3 +110,68 @@ def test_pasta_po_round_on_a_tiny_model(tmp_path):
   assert s["speedup"] >= 1.0
   row = json.loads(open(tmp_path / "metrics.jsonl").readline())
   assert row["step"] == 1 and row["best_score"] >= row["score"]
+
+
+def _tiny_po_config(arg=""):
+  c = load_config("configs/pasta_po.py", "model=tiny_smollm2,steps=1,scheduler=ar,lora_rank=0"
+                  + arg)
+  b = c.bonbon
+  b.max_new_tokens, b.num_samples, b.prompts_per_round, b.max_prompt_tokens = 6, 2, 2, 100
+  b.max_examples, b.updates_per_round = 40, 1
+  c.train.async_checkpoint = False
+  c.optim.lr = 1e-3
+  return c
+
+
+def test_pasta_po_round_with_a_judge_scores_each_sample_against_its_reference(tmp_path,
+                                                                              monkeypatch):
+  """bonbon.quality="judge": every sample is judged against its own prompt's reference answer in
+  both orders, and the round's quality is the mean of those pair scores."""
+  from selforch_jax.config_lib import ConfigError
+  from selforch_jax.eval.judges import LocalJudge, PairwiseJudge, pair_score
+  from selforch_jax.trainers import po_run
+
+  from selforch_jax.trainers.restore import round_step
+  c = _tiny_po_config()
+  c.bonbon.quality = "judge"
+  c.bonbon.updates_per_round = 2
+  with pytest.raises(ConfigError, match="needs bonbon.judge.backend"):
+    po_run.train_po(c, str(tmp_path / "none"))
+  c.bonbon.judge.backend = "openai"
+  with pytest.raises(ConfigError, match="bonbon.judge.backend='openai' needs bonbon.judge.url "
+                                        "and bonbon.judge.model"):
+    po_run.train_po(c, str(tmp_path / "none"))
+  c.bonbon.judge.backend = "local"
+  model, tok, tv = po_run.load_policy(c)
+  local = po_run.make_po_judge(c, tok)   # the base weights through the engine
+  assert isinstance(local, LocalJudge)
+  p = local.prefer("Name a colour.", "Blue.", "The sky is blue.")
+  assert 0.0 < p < 1.0
+
+  class Longer(PairwiseJudge):   # prefers the longer answer (smoothly: every sample its own
+    calls = []                    # score, so that each prompt gives a pair); records its inputs
+
+    def prefer(self, instruction, a, b):
+      Longer.calls.append((instruction, a, b))
+      h = lambda t: len(t) + (sum(map(ord, t)) % 101) / 101   # noqa: E731
+      return float(1.0 / (1.0 + np.exp(-(h(a) - h(b)) / 10.0)))
+
+  monkeypatch.setattr(po_run, "make_po_judge", lambda config, tok: Longer())
+  s = po_run.train_po(c, str(tmp_path / "run"))
+  _, refs, instructions = po_run.load_prompts(c.bonbon, tok)
+  ref_of = dict(zip(instructions, refs))
+  calls = Longer.calls
+  assert len(calls) == 2 * 2 * 2   # 2 prompts x 2 samples x both orders
+  xs = [x for x, _, _ in calls[::2]]   # samples are prompt-major: x0, x0, x1, x1
+  assert xs[0] == xs[1] != xs[2] == xs[3]
+  scores = []
+  for (x1, out, ref), (x2, ref2, out2) in zip(calls[::2], calls[1::2]):
+    assert x1 == x2 and ref == ref2 == ref_of[x1] and out == out2
+    scores.append(pair_score(Longer(), x1, out, ref))
+  assert s["quality"] == pytest.approx(np.mean(scores))
+  assert s["judge_unparsed"] == 0.0
+  # export --round: checkpoints count optimizer steps (2 per round here)
+  assert s["optimizer_steps"] == 2 and round_step(str(tmp_path / "run"), 1) == 2
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint of round 2 \(step 4\); rounds kept: "
+                                              r"\[1\]"):
+    round_step(str(tmp_path / "run"), 2)

@@ -29,6 +29,7 @@ def test_eval_pasta_tiny(tmp_path, tiny_tagged_model_dir):
   c.warmup = False   # compiles happen inside the timed runs here (a test, not a measurement)
   c.judge.backend = "local"
   c.pareto = f"lam1/r1={tiny_tagged_model_dir}"
+  c.nll_ref = tiny_tagged_model_dir   # another network (seed 1), same tokenizer
   out = eval_pasta.run(c, str(tmp_path))
   saved = json.loads((tmp_path / "pasta_eval.json").read_text())
   assert saved["n"] == 2 and saved["subset"] == [3, 5]
@@ -49,11 +50,17 @@ def test_eval_pasta_tiny(tmp_path, tiny_tagged_model_dir):
       assert by[("pasta", i)]["text"] == by[("ar", i)]["text"]
       assert by[("pasta", i)]["nll"] == pytest.approx(by[("ar", i)]["nll"], abs=1e-5)
   assert out["systems"]["sot"]["length"]["n"] == 2
-  # the baseline is the base model here: the neutral reference NLL is the same forward
-  for r in recs:
-    if r["nll"] is not None:
-      assert r["nll_ref"] == pytest.approx(r["nll"], abs=1e-6)
+  # nll_ref: the record's answer scored by the nll_ref model, not by the baseline
+  from selforch_jax.data.sources import load_examples, prompt_and_reference
+  ref_model, tok, _ = eval_pasta._load(c, tiny_tagged_model_dir)
+  score_ref = eval_pasta._NLL(ref_model)
+  rows = load_examples("alpaca_eval", split="test", max_examples=5)
+  r = by[("ar", 3)]
+  prompt = tok.encode_chat(prompt_and_reference(rows[3])[0], add_generation_prompt=True)
+  assert r["nll_ref"] == pytest.approx(score_ref(prompt, tok.encode(r["text"])), abs=1e-5)
+  assert abs(r["nll_ref"] - r["nll"]) > 1e-3
   assert saved["systems"]["pasta"]["nll_ref_minus_ar"]["n"] == 2
+  assert saved["models"]["nll_ref"] == tiny_tagged_model_dir
   # forced plan: 3 threads of 20 tokens each decoded together
   fp = saved["forced_plan"]
   assert fp["records"][0]["threads"] == 3
@@ -152,6 +159,9 @@ def test_summarize_throughput_and_reference_nll():
   assert eval_pasta.summarize(old, ar, c)["nll_ref_minus_ar"] is None
   c.nll_ref = "no/such/dir"
   with pytest.raises(Exception, match="nll_ref='no/such/dir'"):
+    eval_pasta.validate(c)
+  c.nll_ref, c.pareto = "base", "a=x,a=y"
+  with pytest.raises(Exception, match="pareto label 'a' is given twice"):
     eval_pasta.validate(c)
 
 

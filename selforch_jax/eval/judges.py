@@ -28,8 +28,8 @@ import numpy as np
 
 from selforch_jax.eval.stats import bootstrap_ci
 
-__all__ = ["JUDGE_PROMPT", "PairwiseJudge", "OpenAIJudge", "LocalJudge", "win_rate",
-           "make_judge"]
+__all__ = ["JUDGE_PROMPT", "PairwiseJudge", "OpenAIJudge", "LocalJudge", "pair_score",
+           "win_rate", "make_judge", "config_error"]
 
 JUDGE_PROMPT = (
     "I want you to create a leaderboard of different large-language models. To do so, I will "
@@ -116,7 +116,9 @@ class LocalJudge(PairwiseJudge):
     ValueError: ``"m"`` or ``"M"`` is not a single token.
   """
 
-  def __init__(self, engine: Any, tokenizer: Any, max_prompt_tokens: int = 1536):
+  MAX_PROMPT_TOKENS = 1536
+
+  def __init__(self, engine: Any, tokenizer: Any, max_prompt_tokens: int = MAX_PROMPT_TOKENS):
     ids_m, ids_M = tokenizer.encode("m"), tokenizer.encode("M")
     if len(ids_m) != 1 or len(ids_M) != 1:
       raise ValueError("LocalJudge needs 'm' and 'M' to be single tokens")
@@ -150,6 +152,13 @@ class LocalJudge(PairwiseJudge):
     return float(1.0 / (1.0 + np.exp(lM - lm)))
 
 
+def pair_score(judge: PairwiseJudge, instruction: str, output: str, reference: str) -> float:
+  """Score in ``[0, 1]`` of ``output`` against ``reference``: ``(prefer(x, out, ref) + 1 -
+  prefer(x, ref, out)) / 2``, both orders averaged (position-bias control)."""
+  return (judge.prefer(instruction, output, reference) + 1.0
+          - judge.prefer(instruction, reference, output)) / 2.0
+
+
 def win_rate(judge: PairwiseJudge, instructions: Sequence[str], outputs: Sequence[str],
              references: Sequence[str], n_boot: int = 10000, seed: int = 0) -> dict:
   """Win rate of ``outputs`` over ``references``, both orders averaged per example.
@@ -163,12 +172,22 @@ def win_rate(judge: PairwiseJudge, instructions: Sequence[str], outputs: Sequenc
   """
   if not (len(instructions) == len(outputs) == len(references)) or not instructions:
     raise ValueError("win_rate needs equally long, non-empty instruction/output/reference lists")
-  scores = []
-  for x, out, ref in zip(instructions, outputs, references):
-    s = (judge.prefer(x, out, ref) + 1.0 - judge.prefer(x, ref, out)) / 2.0
-    scores.append(s)
+  scores = [pair_score(judge, x, out, ref) for x, out, ref in zip(instructions, outputs, references)]
   return {"per_example": scores, "ci": bootstrap_ci(scores, n_boot=n_boot, seed=seed),
           "unparsed": judge.unparsed}
+
+
+BACKENDS = ("", "none", "openai", "local")
+
+
+def config_error(jc: Any, key: str = "judge") -> str | None:
+  """What is wrong with a judge config section ``jc`` (named ``key`` in the message), or None."""
+  if jc.backend not in BACKENDS:
+    return f"{key}.backend={jc.backend!r}; known: '', 'openai', 'local'"
+  if jc.backend == "openai" and not (jc.url and jc.get("model")):
+    return f"{key}.backend='openai' needs {key}.url and {key}.model (url={jc.url!r}, " \
+           f"model={jc.get('model')!r})"
+  return None
 
 
 def make_judge(jc: Any, engine: Any = None, tokenizer: Any = None) -> PairwiseJudge | None:
@@ -178,14 +197,13 @@ def make_judge(jc: Any, engine: Any = None, tokenizer: Any = None) -> PairwiseJu
   another).
 
   Raises:
-    ValueError: unknown backend, or ``"openai"`` without ``url``.
+    ValueError: what :func:`config_error` finds (unknown backend, ``"openai"`` without ``url``
+      or ``model``).
   """
-  backend = (jc.get("backend") or "").lower()
-  if backend in ("", "none"):
+  if config_error(jc):
+    raise ValueError(config_error(jc))
+  if jc.backend in ("", "none"):
     return None
-  if backend == "openai":
-    return OpenAIJudge(jc.url, jc.get("model", "gpt-4o-mini"),
-                       api_key_env=jc.get("api_key_env", "OPENAI_API_KEY"))
-  if backend == "local":
-    return LocalJudge(engine, tokenizer)
-  raise ValueError(f"judge.backend={backend!r}; known: '', 'openai', 'local'")
+  if jc.backend == "openai":
+    return OpenAIJudge(jc.url, jc.model, api_key_env=jc.get("api_key_env", "OPENAI_API_KEY"))
+  return LocalJudge(engine, tokenizer)

@@ -14,7 +14,7 @@ In one run, batch 1, greedy, on the first ``n`` AlpacaEval instructions
 * every run in ``config.pareto`` (``label=workdir,...``: PASTA runs per λ / round; labels
   ``NAME/ROUND`` draw one line per NAME in the plot) decoded with
   PASTA, for the Pareto plot, prompt by prompt beside the main systems (every wall ratio compares
-  timings taken under the same machine load).
+  timings taken under the same machine load; every pareto model is in memory at once).
 
 Each of these paths may be a training workdir, an adapter directory (:mod:`selforch_jax.adapter`)
 or a Hugging Face directory.
@@ -39,14 +39,17 @@ Figures per system, each with n and a bootstrap 95% CI (:mod:`selforch_jax.eval.
   the skeleton had numbered points; APAR: at least one fork;
 * ``throughput_speedup``: geometric mean over prompts of the system's response tokens (de-tagged)
   per wall-clock second over AR's on the same prompt: the speedup a reader of the answer sees
-  when both answers are cut at ``max_new_tokens`` (PASTA's budget counts its tags and plans too);
+  when both answers are cut at ``max_new_tokens`` (PASTA's budget counts its tags and plans too;
+  prompts where either answer is empty are left out, as their ratio is undefined);
 * judge-free quality: ``nll`` — mean per-token negative log-likelihood (nats) of the de-tagged
   response under the baseline model given the chat prompt (one full forward), and its paired
   difference to AR's (``nll_minus_ar``; lower is better). AR's greedy answer is the baseline
   model's own mode, so this measure favours AR over any other model's answer; ``nll_ref`` /
   ``nll_ref_minus_ar`` are the same under ``config.nll_ref`` (default ``"base"``: the base
-  weights of ``config.model``, which wrote none of the answers; a model directory also works;
-  ``""`` turns it off); ``length`` — response tokens;
+  weights of ``config.model``, which wrote none of the answers when ``config.baseline`` is a
+  tuned run — without one, AR is the base weights and ``nll_ref`` equals ``nll``; a model
+  directory with the baseline's tokenizer also works; ``""`` turns it off); ``length`` —
+  response tokens;
 * ``win_rate`` vs the AR output when ``config.judge.backend`` is set
   (:mod:`selforch_jax.eval.judges`).
 
@@ -113,11 +116,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"fork; its pool has room for them), max_topic_tokens={config.max_topic_tokens} >= 0")
   if config.forced.n < 0 or config.forced.promises < 1 or config.forced.length < 1:
     raise config_lib.ConfigError("forced.n >= 0, forced.promises >= 1, forced.length >= 1")
-  if config.judge.backend not in ("", "none", "openai", "local"):
-    raise config_lib.ConfigError(f"judge.backend={config.judge.backend!r}; known: '', 'openai', "
-                                 "'local'")
-  if config.judge.backend == "openai" and not config.judge.url:
-    raise config_lib.ConfigError("judge.backend='openai' needs judge.url")
+  from selforch_jax.eval.judges import config_error
+  bad_judge = config_error(config.judge)
+  if bad_judge:
+    raise config_lib.ConfigError(bad_judge)
   nll_ref = [] if config.nll_ref in ("", "base") else [("nll_ref", config.nll_ref)]
   for key, path in [("pasta", config.pasta), ("baseline", config.baseline), *nll_ref,
                     *[(f"pareto[{lab}]", p) for lab, p in _pareto_runs(config.pareto)]]:
@@ -131,6 +133,8 @@ def _pareto_runs(spec: str) -> list[tuple[str, str]]:
     if "=" not in item:
       raise config_lib.ConfigError(f"pareto entry {item!r} must be label=workdir")
     lab, path = item.split("=", 1)
+    if lab in [o[0] for o in out]:
+      raise config_lib.ConfigError(f"pareto label {lab!r} is given twice")
     out.append((lab, path))
   return out
 
@@ -478,9 +482,18 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     engine_for(s)
   nll = _NLL(base_model)
   if config.nll_ref == "base":   # the weights every model here was tuned from
-    nll_ref = nll if not config.baseline else _NLL(_load(config, "")[0])
+    nll_ref = (nll if not config.baseline else
+               _NLL(p_model if not config.pasta else _load(config, "")[0]))
+  elif config.nll_ref:
+    ref_model, ref_tok, _ = _load(config, config.nll_ref)
+    probe = "Name three primary colors: red, blue and yellow. 12,345 + 6.7 = ?"
+    if ref_tok.encode(probe) != base_tok.encode(probe):   # its NLL reads base_tok's ids
+      raise config_lib.ConfigError(f"nll_ref={config.nll_ref!r} has another tokenizer than the "
+                                   f"AR model ({config.baseline or 'base'}); pick a model of the "
+                                   "same family")
+    nll_ref = _NLL(ref_model)
   else:
-    nll_ref = _NLL(_load(config, config.nll_ref)[0]) if config.nll_ref else None
+    nll_ref = None
 
   def quality(r, prompt):   # judge-free quality of one answer (module docstring), in place
     resp = base_tok.encode(r["text"])
@@ -528,6 +541,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
          "config": config.to_dict(), "machine": {"backend": jax.default_backend(),
                                                  "devices": len(jax.devices())},
          "models": {"baseline": config.baseline or config.model.weights,
+                    "nll_ref": (config.model.weights if config.nll_ref == "base" else
+                                config.nll_ref),
                     "pasta": config.pasta or f"{config.model.weights} + untrained tag rows"},
          "systems": {}}
   def judged(rs):   # the judge's win rate vs AR (None without a judge)

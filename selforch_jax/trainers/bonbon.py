@@ -23,7 +23,9 @@ Scores (:data:`SCORES`), for a response with layout ``lay`` after a prompt of ``
 depth is 1 + the largest depth of the earlier tokens it would see (the layout's visibility
 without evictions; prompt tokens have depth 0, prefilled at once); a plain AR response scores 1,
 PASTA threads that run in parallel score more. ``quality`` (judge-free, "ref_nll"): minus the
-mean per-token NLL of the response under pi_ref; or ("gsm8k") the exact-match reward.
+mean per-token NLL of the response under pi_ref; ("judge") the pairwise judge's score in [0, 1]
+against the prompt's reference answer (:func:`selforch_jax.eval.judges.pair_score`); or
+("gsm8k") the exact-match reward.
 """
 
 from __future__ import annotations

@@ -26,7 +26,12 @@ def bonbon_defaults() -> ml_collections.ConfigDict:
     lambda * quality; "quality": quality only; "length": -tokens, for tests).
   quality_weight: lambda of the "pasta" score.
   quality: "ref_nll" (judge-free: minus the mean per-token NLL of the response under the
-    reference model) or "gsm8k" (the exact-match reward).
+    reference model), "judge" (the pairwise judge's score in [0, 1] of the response against
+    the dataset's reference answer, both orders averaged: :func:`selforch_jax.eval.judges.
+    pair_score`; the PASTA paper's quality term) or a reward name, e.g. "gsm8k" (exact match).
+  judge: the judge of quality="judge" (as the PASTA eval's ``judge`` section): backend
+    "openai" (any OpenAI-compatible ``url`` / ``model``, key in ``$api_key_env``) or "local"
+    (the base weights of the ``model`` section through our engine).
   min_score_gap: pairs whose best and worst scores differ by less are dropped.
   scheduler, scheduler_kwargs, layout_mask, num_pages, page_size, max_prompt_tokens,
   init_from, dataset, split, max_examples, shuffle_seed, seed: as in ``grpo_defaults()``.
@@ -37,4 +42,5 @@ def bonbon_defaults() -> ml_collections.ConfigDict:
       quality_weight=1.0, quality="ref_nll", min_score_gap=0.0, scheduler="ar",
       scheduler_kwargs={}, layout_mask=False, num_pages=256, page_size=16,
       max_prompt_tokens=256, init_from=placeholder(str), dataset="gsm8k", split="train",
-      max_examples=placeholder(int), shuffle_seed=0, seed=0))
+      max_examples=placeholder(int), shuffle_seed=0, seed=0,
+      judge=dict(backend="", url="", model="", api_key_env="OPENAI_API_KEY")))

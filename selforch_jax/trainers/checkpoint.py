@@ -107,6 +107,10 @@ class Checkpointer:
                              "step": st["step"]})
     return step
 
+  def all_steps(self) -> list[int]:
+    """The steps of the checkpoints kept, ascending."""
+    return sorted(int(s) for s in self.manager.all_steps())
+
   def restore_config(self, step: int | None = None) -> dict:
     step = self.latest_step() if step is None else step
     return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]

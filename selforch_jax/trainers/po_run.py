@@ -76,9 +76,16 @@ def validate_po(config: ml_collections.ConfigDict) -> None:
   if name == "bonbon":
     if s.score not in SCORES:
       raise config_lib.ConfigError(f"bonbon.score={s.score!r} must be one of {SCORES}")
-    if s.quality != "ref_nll" and s.quality not in reward_names():
-      raise config_lib.ConfigError(f"bonbon.quality={s.quality!r} must be 'ref_nll' or a reward: "
-                                   f"{reward_names()}")
+    if s.quality not in ("ref_nll", "judge") and s.quality not in reward_names():
+      raise config_lib.ConfigError(f"bonbon.quality={s.quality!r} must be 'ref_nll', 'judge' or a "
+                                   f"reward: {reward_names()}")
+    from selforch_jax.eval.judges import config_error
+    bad_judge = config_error(s.judge, "bonbon.judge")
+    if bad_judge:
+      raise config_lib.ConfigError(bad_judge)
+    if s.quality == "judge" and s.judge.backend in ("", "none"):
+      raise config_lib.ConfigError("bonbon.quality='judge' needs bonbon.judge.backend ('openai' "
+                                   "with bonbon.judge.url, or 'local')")
   if s.scheduler not in available():
     raise config_lib.ConfigError(f"{name}.scheduler={s.scheduler!r} is not registered; "
                                  f"registered: {available()}")
@@ -127,24 +134,30 @@ def load_policy(config):
   return model, tok, tv
 
 
-def load_prompts(s, tok) -> tuple[list[list[int]], list]:
-  """``(prompt token ids, references)`` of ``s.dataset`` / ``s.split`` (chat template with the
-  generation prompt), prompts longer than ``s.max_prompt_tokens`` dropped.
+def load_prompts(s, tok) -> tuple[list[list[int]], list, list[str]]:
+  """``(prompt token ids, references, instructions)`` of ``s.dataset`` / ``s.split`` (chat
+  template with the generation prompt; the instruction is the last user turn's text), prompts
+  longer than ``s.max_prompt_tokens`` dropped.
 
   Raises:
-    ValueError: no prompt is short enough.
+    ValueError: no prompt is short enough, or ``s.quality == "judge"`` and an example has no
+      reference answer to judge against.
   """
   from selforch_jax.data.sources import load_examples, prompt_and_reference
-  prompts, refs = [], []
-  for ex in load_examples(s.dataset, split=s.split, max_examples=s.max_examples):
+  prompts, refs, instructions = [], [], []
+  for i, ex in enumerate(load_examples(s.dataset, split=s.split, max_examples=s.max_examples)):
     msgs, ref = prompt_and_reference(ex)
     ids = tok.encode_chat(msgs, add_generation_prompt=True)
     if len(ids) <= s.max_prompt_tokens:
+      if s.get("quality") == "judge" and not ref:
+        raise ValueError(f"{s.dataset}/{s.split} example {i} has no reference answer for the "
+                         "judge (bonbon.quality='judge' scores each sample against it)")
       prompts.append(list(ids))
       refs.append(ref)
+      instructions.append(msgs[-1]["content"])
   if not prompts:
     raise ValueError(f"no prompt of {s.dataset}/{s.split} has <= {s.max_prompt_tokens} tokens")
-  return prompts, refs
+  return prompts, refs, instructions
 
 
 def prompt_iterator(n: int, batch: int, seed: int):
@@ -214,8 +227,12 @@ def grpo_step(trainer, s, prompts, refs, step_seed, tok, tv) -> dict:
           "batch_crc32": zlib.crc32(np.ascontiguousarray(batch["tokens"]).tobytes())}
 
 
-def bonbon_round(trainer, s, prompts, refs, step_seed, tok, tv) -> dict:
+def bonbon_round(trainer, s, prompts, refs, step_seed, tok, tv, judge=None,
+                 instructions=None) -> dict:
   """One BoNBoN round: sample, score, pair, ``updates_per_round`` updates; returns metrics.
+
+  ``judge`` (a :class:`~selforch_jax.eval.judges.PairwiseJudge`) and ``instructions`` (one per
+  prompt) serve ``s.quality == "judge"``.
 
   Raises:
     TrainingError: no prompt of the round gave a qualifying pair.
@@ -228,15 +245,23 @@ def bonbon_round(trainer, s, prompts, refs, step_seed, tok, tv) -> dict:
   N = int(s.num_samples)
   ro, rows, layout_kw = _rollout(trainer, s, prompts, N, step_seed, tok.stop_ids[0], tv,
                                  tok.pad_id)
+  if s.quality == "judge" and (judge is None or instructions is None):
+    raise ValueError("bonbon.quality='judge' needs judge= and instructions= (train_po passes "
+                     "make_po_judge's judge)")
   ref_tok = trainer.logprobs(rows, reference=True)
   ref_seq = np.asarray(sequence_logprobs(ref_tok, rows["loss_mask"]))
   ntok = np.maximum(rows["loss_mask"].sum(-1), 1)
   if s.quality == "ref_nll":
     quality = ref_seq / ntok
-  else:
-    fn = get_reward(s.quality)
-    quality = np.asarray([fn(response_text(tok, r, tv), refs[i // N], 0.0)
-                          for i, r in enumerate(ro.responses)])
+  else:   # samples are prompt-major: sample i answers prompt i // N
+    texts = [response_text(tok, r, tv) for r in ro.responses]
+    if s.quality == "judge":
+      from selforch_jax.eval.judges import pair_score
+      quality = np.asarray([pair_score(judge, instructions[i // N], t, refs[i // N])
+                            for i, t in enumerate(texts)])
+    else:
+      fn = get_reward(s.quality)
+      quality = np.asarray([fn(t, refs[i // N], 0.0) for i, t in enumerate(texts)])
   sp = speedups(ro.prompts, ro.responses, tv, **layout_kw)
   sc = score(s.score, speedup=sp, quality=quality, lengths=ro.response_lengths(),
              quality_weight=float(s.quality_weight))
@@ -261,37 +286,54 @@ def bonbon_round(trainer, s, prompts, refs, step_seed, tok, tv) -> dict:
           "lr": float(ms[-1]["lr"]), "pairs": float(len(pairs)), "score": float(sc.mean()),
           "best_score": float(best.mean()), "speedup": float(sp.mean()),
           "quality": float(np.mean(quality)), "response_tokens": float(ro.response_lengths().mean()),
-          "rollout_s": t1 - t0, "update_s": t2 - t1, "step_time_s": t2 - t0}
+          "rollout_s": t1 - t0, "update_s": t2 - t1, "step_time_s": t2 - t0,
+          **({"judge_unparsed": float(judge.unparsed)} if s.quality == "judge" else {})}
 
 
 def build_po(config, workdir: str):
-  """``(trainer, tokenizer, tag_vocab, prompts, references, prompt iterator, checkpointer,
-  updates per loop step)``."""
+  """``(trainer, tokenizer, tag_vocab, (prompts, references, instructions), prompt iterator,
+  checkpointer, optimizer steps per loop step)``."""
   from selforch_jax import sharding as shd
   from selforch_jax.trainers.bonbon import BonbonTrainer
   from selforch_jax.trainers.checkpoint import Checkpointer
   from selforch_jax.trainers.grpo import GRPOTrainer
+  from selforch_jax.trainers.restore import steps_per_round
   s = config[config.trainer]
   model, tok, tv = load_policy(config)
   lora = bool(model.cfg.lora_rank)
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   common = dict(lora=lora, train_embed_rows_from=config.train.train_embed_rows_from,
                 new_rows_lr_mult=config.train.new_rows_lr_mult)
+  per = steps_per_round(config)
   if config.trainer == "grpo":
-    per = int(s.inner_steps)
     trainer = GRPOTrainer(model, mesh, config.optim, config.train.steps * per, clip_eps=s.clip_eps,
                           kl_coef=s.kl_coef, inner_steps=per, **common)
     batch = int(s.prompts_per_step)
   else:
-    per = int(s.updates_per_round)
     trainer = BonbonTrainer(model, mesh, config.optim, config.train.steps * per, alpha=s.alpha,
                             tau=s.tau, **common)
     batch = int(s.prompts_per_round)
-  prompts, refs = load_prompts(s, tok)
+  prompts, refs, instructions = load_prompts(s, tok)
   it = prompt_iterator(len(prompts), batch, int(s.shuffle_seed))
   ckpt = Checkpointer(workdir, config.train.checkpoint_every, config.train.keep,
                       config.train.async_checkpoint)
-  return trainer, tok, tv, prompts, refs, it, ckpt, per
+  return trainer, tok, tv, (prompts, refs, instructions), it, ckpt, per
+
+
+def make_po_judge(config, tok):
+  """The judge of ``bonbon.quality == "judge"`` (None otherwise): ``bonbon.judge`` through
+  :func:`selforch_jax.eval.judges.make_judge`; the "local" backend runs the base weights of
+  the ``model`` section (not the policy) on an engine of its own."""
+  s = config[config.trainer]
+  if config.trainer != "bonbon" or s.quality != "judge":
+    return None
+  from selforch_jax.eval.judges import LocalJudge, make_judge
+  engine = None
+  if s.judge.backend == "local":
+    from selforch_jax.eval.pasta import make_engine
+    _, base, _ = config_lib.load_model(config.model)
+    engine = make_engine(base, LocalJudge.MAX_PROMPT_TOKENS + int(s.page_size), int(s.page_size))
+  return make_judge(s.judge, engine, tok)
 
 
 def train_po(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
@@ -317,7 +359,8 @@ def train_po(config: ml_collections.ConfigDict, workdir: str, stop_at: int | Non
     raise config_lib.ConfigError(f"train_po runs grpo or bonbon, not trainer={config.trainer!r}")
   check_resume_config(config, workdir)
   s = config[config.trainer]
-  trainer, tok, tv, prompts, refs, it, ckpt, per = build_po(config, workdir)
+  trainer, tok, tv, (prompts, refs, instructions), it, ckpt, per = build_po(config, workdir)
+  judge = make_po_judge(config, tok)
   config_json = json.loads(config.to_json())
   if ckpt.latest_step() is not None:
     ckpt.restore(trainer, it)
@@ -336,7 +379,9 @@ def train_po(config: ml_collections.ConfigDict, workdir: str, stop_at: int | Non
         break
       idx = next(it)
       seed = int(np.random.default_rng([int(s.seed), loop]).integers(2**31 - 1))
-      m = step_fn(trainer, s, [prompts[i] for i in idx], [refs[i] for i in idx], seed, tok, tv)
+      kw = {} if judge is None else dict(judge=judge, instructions=[instructions[i] for i in idx])
+      m = step_fn(trainer, s, [prompts[i] for i in idx], [refs[i] for i in idx], seed, tok, tv,
+                  **kw)
       if not np.isfinite(m["loss"]) or not np.isfinite(m["grad_norm"]):
         ckpt.wait()
         raise TrainingError(f"non-finite loss / grad norm at loop step {loop + 1} ({m['loss']}, "
