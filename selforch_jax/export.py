@@ -40,7 +40,8 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   if _STEP.value is not None and _ROUND.value is not None:
-    raise app.UsageError("give --step or --round, not both")
+    print("error: give --step or --round, not both", file=sys.stderr)
+    sys.exit(2)
   try:
     step = _STEP.value
     if _ROUND.value is not None:

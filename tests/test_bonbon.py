@@ -141,9 +141,14 @@ def test_pasta_po_round_with_a_judge_scores_each_sample_against_its_reference(tm
   with pytest.raises(ConfigError, match="bonbon.judge.backend='openai' needs bonbon.judge.url "
                                         "and bonbon.judge.model"):
     po_run.train_po(c, str(tmp_path / "none"))
+  c.bonbon.judge.backend, c.bonbon.judge.model = "openai", "m"
+  c.bonbon.judge.url = "http://127.0.0.1:9"   # nothing listens: fails before any work
+  with pytest.raises(ConfigError, match="did not answer a probe pair: URLError"):
+    po_run.train_po(c, str(tmp_path / "unreachable"))
+  assert not (tmp_path / "unreachable").exists()
   c.bonbon.judge.backend = "local"
   model, tok, tv = po_run.load_policy(c)
-  local = po_run.make_po_judge(c, tok)   # the base weights through the engine
+  local = po_run.make_po_judge(c)   # the base weights through the engine
   assert isinstance(local, LocalJudge)
   p = local.prefer("Name a colour.", "Blue.", "The sky is blue.")
   assert 0.0 < p < 1.0
@@ -156,7 +161,7 @@ def test_pasta_po_round_with_a_judge_scores_each_sample_against_its_reference(tm
       h = lambda t: len(t) + (sum(map(ord, t)) % 101) / 101   # noqa: E731
       return float(1.0 / (1.0 + np.exp(-(h(a) - h(b)) / 10.0)))
 
-  monkeypatch.setattr(po_run, "make_po_judge", lambda config, tok: Longer())
+  monkeypatch.setattr(po_run, "make_po_judge", lambda config: Longer())
   s = po_run.train_po(c, str(tmp_path / "run"))
   _, refs, instructions = po_run.load_prompts(c.bonbon, tok)
   ref_of = dict(zip(instructions, refs))

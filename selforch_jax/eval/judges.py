@@ -183,7 +183,7 @@ BACKENDS = ("", "none", "openai", "local")
 def config_error(jc: Any, key: str = "judge") -> str | None:
   """What is wrong with a judge config section ``jc`` (named ``key`` in the message), or None."""
   if jc.backend not in BACKENDS:
-    return f"{key}.backend={jc.backend!r}; known: '', 'openai', 'local'"
+    return f"{key}.backend={jc.backend!r}; known: '' or 'none' (no judge), 'openai', 'local'"
   if jc.backend == "openai" and not (jc.url and jc.get("model")):
     return f"{key}.backend='openai' needs {key}.url and {key}.model (url={jc.url!r}, " \
            f"model={jc.get('model')!r})"

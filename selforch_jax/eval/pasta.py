@@ -344,12 +344,13 @@ def summarize(recs: list[dict], ar_recs: list[dict], ec, judge_scores=None) -> d
       "parse_rate_strict": _ci([float(r.get("parsed_strict", r["parsed"])) for r in recs], ec),
       "nll": _ci([r["nll"] for r in recs], ec),
       "nll_minus_ar": _paired([r["nll"] for r in recs], [a["nll"] for a in ar_recs], ec),
-      "nll_ref": _ci([r.get("nll_ref") for r in recs], ec),
-      "nll_ref_minus_ar": _paired([r.get("nll_ref") for r in recs],
-                                  [a.get("nll_ref") for a in ar_recs], ec),
       "length": _ci([r["length"] for r in recs], ec),
       "wall_s": _ci([r["wall_s"] for r in recs], ec),
   }
+  if any("nll_ref" in r for r in recs):   # runs before nll_ref existed have none
+    out["nll_ref"] = _ci([r.get("nll_ref") for r in recs], ec)
+    out["nll_ref_minus_ar"] = _paired([r.get("nll_ref") for r in recs],
+                                      [a.get("nll_ref") for a in ar_recs], ec)
   if judge_scores is not None:
     out["win_rate_vs_ar"] = judge_scores["ci"]
     out["judge_unparsed"] = judge_scores["unparsed"]

@@ -85,7 +85,7 @@ def validate_po(config: ml_collections.ConfigDict) -> None:
       raise config_lib.ConfigError(bad_judge)
     if s.quality == "judge" and s.judge.backend in ("", "none"):
       raise config_lib.ConfigError("bonbon.quality='judge' needs bonbon.judge.backend ('openai' "
-                                   "with bonbon.judge.url, or 'local')")
+                                   "with bonbon.judge.url and bonbon.judge.model, or 'local')")
   if s.scheduler not in available():
     raise config_lib.ConfigError(f"{name}.scheduler={s.scheduler!r} is not registered; "
                                  f"registered: {available()}")
@@ -320,20 +320,33 @@ def build_po(config, workdir: str):
   return trainer, tok, tv, (prompts, refs, instructions), it, ckpt, per
 
 
-def make_po_judge(config, tok):
+def make_po_judge(config):
   """The judge of ``bonbon.quality == "judge"`` (None otherwise): ``bonbon.judge`` through
   :func:`selforch_jax.eval.judges.make_judge`; the "local" backend runs the base weights of
-  the ``model`` section (not the policy) on an engine of its own."""
+  the ``model`` section (not the policy) on an engine of its own. The judge answers one probe
+  pair here, so that a wrong url or model fails before any rollout.
+
+  Raises:
+    config_lib.ConfigError: the judge did not answer the probe (names the url and the error).
+  """
   s = config[config.trainer]
   if config.trainer != "bonbon" or s.quality != "judge":
     return None
   from selforch_jax.eval.judges import LocalJudge, make_judge
-  engine = None
+  engine = tok = None
   if s.judge.backend == "local":
     from selforch_jax.eval.pasta import make_engine
-    _, base, _ = config_lib.load_model(config.model)
+    _, base, tok = config_lib.load_model(config.model)
     engine = make_engine(base, LocalJudge.MAX_PROMPT_TOKENS + int(s.page_size), int(s.page_size))
-  return make_judge(s.judge, engine, tok)
+  judge = make_judge(s.judge, engine, tok)
+  try:
+    judge.prefer("Name a primary colour.", "Red.", "Blue.")
+  except Exception as e:  # noqa: BLE001 - any failure of the endpoint is a config problem
+    raise config_lib.ConfigError(
+        f"bonbon.judge ({s.judge.backend} {s.judge.url} {s.judge.model}) did not answer a probe "
+        f"pair: {type(e).__name__}: {e}") from e
+  judge.unparsed = 0
+  return judge
 
 
 def train_po(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
@@ -359,8 +372,8 @@ def train_po(config: ml_collections.ConfigDict, workdir: str, stop_at: int | Non
     raise config_lib.ConfigError(f"train_po runs grpo or bonbon, not trainer={config.trainer!r}")
   check_resume_config(config, workdir)
   s = config[config.trainer]
+  judge = make_po_judge(config)   # before build_po makes the workdir: a bad judge loses nothing
   trainer, tok, tv, (prompts, refs, instructions), it, ckpt, per = build_po(config, workdir)
-  judge = make_po_judge(config, tok)
   config_json = json.loads(config.to_json())
   if ckpt.latest_step() is not None:
     ckpt.restore(trainer, it)
