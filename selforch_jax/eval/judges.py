@@ -200,8 +200,9 @@ def make_judge(jc: Any, engine: Any = None, tokenizer: Any = None) -> PairwiseJu
     ValueError: what :func:`config_error` finds (unknown backend, ``"openai"`` without ``url``
       or ``model``).
   """
-  if config_error(jc):
-    raise ValueError(config_error(jc))
+  bad = config_error(jc)
+  if bad:
+    raise ValueError(bad)
   if jc.backend in ("", "none"):
     return None
   if jc.backend == "openai":
