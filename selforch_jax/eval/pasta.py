@@ -468,6 +468,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
            "sot": sc.max_points * (P + 256 + sc.skeleton_tokens + sc.point_tokens + 32) + 4 * ps,
            "forced": P + fc.promises * (20 * fc.length + 10) * 2 + 64 + 4 * ps}
   engines = {}
+  warm_T = max(P, 256 + P, 2 * sc.max_points + 8)   # the largest step any system here runs
 
   def engine_for(system):
     model = p_model if system in ("pasta", "forced") else base_model
@@ -475,8 +476,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if key not in engines:
       engines[key] = make_engine(model, sizes[system], ps)
       if config.warmup:
-        warm_up(engines[key], max(P, 256 + P, 2 * sc.max_points + 8),
-                pasta_constraint_ids(p_tv, p_tok, opts))
+        warm_up(engines[key], warm_T, pasta_constraint_ids(p_tv, p_tok, opts))
     return engines[key]
 
   for s in systems:
@@ -509,7 +509,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     m, t, tv = _load(config, path)
     e = make_engine(m, sizes["pasta"], ps)
     if config.warmup:
-      warm_up(e, max(P, 256 + P, 2 * sc.max_points + 8), pasta_constraint_ids(tv, t, opts))
+      warm_up(e, warm_T, pasta_constraint_ids(tv, t, opts))
     pareto.append((f"pasta[{lab}]", e, t, tv,
                    [t.encode_chat(prompt_and_reference(r)[0], add_generation_prompt=True)
                     for r in rows]))

@@ -31,7 +31,7 @@ import os
 import ml_collections
 
 from selforch_jax.eval.pasta import pareto_figure, summarize, summary
-from selforch_jax.eval.shards import check_contiguous, config_diff, load_reports, merge_cli
+from selforch_jax.eval.shards import check_contiguous, check_same_config, load_reports, merge_cli
 
 __all__ = ["merge", "main"]
 
@@ -81,11 +81,8 @@ def merge(shard_dirs: list[str], out_dir: str) -> dict:
   shards = load_reports(shard_dirs, out_dir, "pasta_eval.json", "PASTA")
   first = shards[0][1]
   cfg = first["config"]
+  check_same_config(shards)
   for d, s in shards[1:]:
-    diff = config_diff(cfg, s["config"])
-    if diff:
-      raise ValueError(f"{d}: its config differs from {shard_dirs[0]}'s beyond offset/n: "
-                       f"{', '.join(diff)}")
     if list(s["systems"]) != list(first["systems"]):
       raise ValueError(f"{d}: systems {list(s['systems'])} != {list(first['systems'])}")
   if cfg["judge"]["backend"] not in ("", "none"):

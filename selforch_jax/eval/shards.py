@@ -9,7 +9,7 @@ import json
 import os
 from typing import Callable
 
-__all__ = ["load_reports", "config_diff", "check_contiguous", "merge_cli"]
+__all__ = ["load_reports", "config_diff", "check_same_config", "check_contiguous", "merge_cli"]
 
 
 def load_reports(shard_dirs: list[str], out_dir: str, report: str,
@@ -50,6 +50,19 @@ def config_diff(a: dict, b: dict, section: str | None = None) -> list[str]:
   skip = {f"{section}.{k}" if section else k for k in ("offset", "n")}
   fa, fb = flat(a), flat(b)
   return sorted(k for k in set(fa) | set(fb) if k not in skip and fa.get(k) != fb.get(k))
+
+
+def check_same_config(shards: list[tuple[str, dict]], section: str | None = None) -> None:
+  """Every shard's saved ``config`` equals the first's beyond ``offset`` / ``n`` (of ``section``).
+
+  Raises:
+    ValueError: naming the shard and the dotted keys that differ.
+  """
+  (d0, first), where = shards[0], f"{section}.offset/n" if section else "offset/n"
+  for d, s in shards[1:]:
+    diff = config_diff(first["config"], s["config"], section)
+    if diff:
+      raise ValueError(f"{d}: its config differs from {d0}'s beyond {where}: {', '.join(diff)}")
 
 
 def check_contiguous(parts: list[tuple[str, dict]], what: str) -> list[tuple[str, dict]]:

@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-from selforch_jax.eval.shards import check_contiguous, config_diff, load_reports, merge_cli
+from selforch_jax.eval.shards import check_contiguous, check_same_config, load_reports, merge_cli
 from selforch_jax.eval.tip import (
     TEACHER_FORCED_MEANS, compare_systems, plot, question_texts, summary, system_summary,
     teacher_forced_figures,
@@ -90,11 +90,8 @@ def merge(shard_dirs: list[str], out_dir: str) -> dict:
   from selforch_jax.data.sources import load_examples
   shards = load_reports(shard_dirs, out_dir, "tip_eval.json", "TIP")
   first = shards[0][1]
+  check_same_config(shards, "eval")
   for d, s in shards[1:]:
-    diff = config_diff(first["config"], s["config"], "eval")
-    if diff:
-      raise ValueError(f"{d}: its config differs from {shard_dirs[0]}'s beyond eval.offset/n: "
-                       f"{', '.join(diff)}")
     if list(s["datasets"]) != list(first["datasets"]):
       raise ValueError(f"{d}: datasets {list(s['datasets'])} != {list(first['datasets'])}")
   ec = first["config"]["eval"]
