@@ -35,7 +35,7 @@ else "ar"), quality_weight (lambda), steps (rounds), lora_rank.
 """
 
 from selforch_jax import config_lib
-from selforch_jax.runtime.registry import available
+from selforch_jax.runtime.schedulers import available
 from selforch_jax.trainers.po_run import po_defaults
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from selforch_jax.decoding.generate import Generator
-from selforch_jax.decoding.sampling import SamplingParams, sample_token
+from selforch_jax.runtime.sampling import SamplingParams, sample_token
 from selforch_jax.models.config import get_preset
 from selforch_jax.models.transformer import (KVCache, causal_mask, init_model,
                                              positions_from_valid)

@@ -28,7 +28,7 @@ def test_pasta_part_rows_equal_the_scheduler(adapter, tmp_path):  # noqa: F811
   from selforch_jax.adapter import load_adapter
   from selforch_jax.data import sources
   from selforch_jax.lang import TagVocab
-  from selforch_jax.runtime import pasta
+  from selforch_jax.runtime.schedulers import pasta
   from selforch_jax.runtime.engine import Engine
 
   c = _config(adapter)

@@ -201,7 +201,7 @@ def test_final_text_of_a_cut_plan_keeps_each_chunk_alone():
   from selforch_jax.lang import Promise, Round, TagVocab, serialize
   from selforch_jax.models.config import get_preset
   from selforch_jax.models.transformer import init_model
-  from selforch_jax.runtime import pasta
+  from selforch_jax.runtime.schedulers import pasta
   from selforch_jax.runtime.engine import Engine
 
   tv = TagVocab.appended(64, 0, eos_ids=[2], digit_ids=range(3, 13), space_ids=[13])

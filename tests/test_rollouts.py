@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from selforch_jax.decoding.sampling import SamplingParams
+from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.lang import TagVocab, build_layout
 from selforch_jax.models.config import get_preset
 from selforch_jax.models.transformer import init_model
 from selforch_jax.runtime.annotated import random_annotated
-from selforch_jax.runtime.ar import generate
+from selforch_jax.runtime.schedulers.ar import generate
 from selforch_jax.runtime.engine import Engine
 from selforch_jax.runtime.oracle import replay
-from selforch_jax.runtime.registry import available, make_scheduler
+from selforch_jax.runtime.schedulers import available, make_scheduler
 from selforch_jax.trainers.logprobs import token_logprobs
 from selforch_jax.trainers.rollouts import causal_row, sample, to_batch
 

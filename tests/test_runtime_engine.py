@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 from selforch_jax.decoding.generate import Generator
-from selforch_jax.decoding.sampling import SamplingParams
+from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.models.config import get_preset
 from selforch_jax.models.transformer import KVCache, init_model
-from selforch_jax.runtime import ar
+from selforch_jax.runtime.schedulers import ar
 from selforch_jax.runtime.engine import Engine, bucket_size, key_window, key_windows
 from selforch_jax.runtime.kv_pool import PoolExhausted
 from selforch_jax.runtime.mask import SegmentTable

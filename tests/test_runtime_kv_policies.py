@@ -7,12 +7,12 @@ import types
 import numpy as np
 import pytest
 
-from selforch_jax.decoding.sampling import SamplingParams
+from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.models.config import get_preset
 from selforch_jax.models.transformer import init_model
-from selforch_jax.runtime import ar
+from selforch_jax.runtime.schedulers import ar
 from selforch_jax.runtime.engine import Engine
-from selforch_jax.runtime.kv_policies import (H2OPolicy, PagedH2OPolicy, PolicyScheduler,
+from selforch_jax.runtime.schedulers.kv_policies import (H2OPolicy, PagedH2OPolicy, PolicyScheduler,
                                               StreamingLLMPolicy, make_policy)
 from selforch_jax.runtime.kv_pool import ALIVE, KVPool
 from selforch_jax.runtime.scheduler import execute, run

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from selforch_jax.decoding.sampling import SamplingParams
+from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.lang import Promise, Round, TagVocab, assemble, batch_layouts, serialize
 from selforch_jax.models.config import get_preset
 from selforch_jax.models.transformer import init_model
-from selforch_jax.runtime import pasta, registry
+from selforch_jax.runtime import schedulers
+from selforch_jax.runtime.schedulers import pasta
 from selforch_jax.runtime.engine import Engine
 from selforch_jax.runtime.scheduler import run
 
@@ -120,10 +121,10 @@ def test_sampled_logprobs_equal_training_forward_and_ar_equivalence(tiny):
     assert len(sampled_lps) == len(lp_of)
     np.testing.assert_allclose(sorted(sampled_lps), sorted(lp_of.values()), atol=2e-4)
   # a plain prompt on a model that never plans: PASTA == AR (same tokens, 1 token per forward)
-  ar = registry.make_scheduler("ar", engine, [prompts[1]], max_new_tokens=12,
+  ar = schedulers.make_scheduler("ar", engine, [prompts[1]], max_new_tokens=12,
                                sampling=SamplingParams(), stop_ids=[2])
   run(engine, ar)
-  p = registry.make_scheduler("pasta", engine, [prompts[1]], tag_vocab=TV, max_new_tokens=12,
+  p = schedulers.make_scheduler("pasta", engine, [prompts[1]], tag_vocab=TV, max_new_tokens=12,
                               stop_ids=[2])
   run(engine, p)
   assert not any(TV.is_tag(t) for t in ar.results[0].token_ids)

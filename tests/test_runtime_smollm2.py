@@ -10,7 +10,7 @@ from selforch_jax.checkpoints.assets import smollm2_gguf_path
 from selforch_jax.checkpoints.gguf_import import load_gguf
 from selforch_jax.decoding.generate import Generator
 from selforch_jax.models.transformer import KVCache
-from selforch_jax.runtime import ar
+from selforch_jax.runtime.schedulers import ar
 from selforch_jax.runtime.engine import Engine
 from selforch_jax.tokenizers import HFTokenizer
 

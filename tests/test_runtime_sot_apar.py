@@ -14,7 +14,7 @@ from selforch_jax import tokenizers
 from selforch_jax.checkpoints import assets
 from selforch_jax.models.config import get_preset
 from selforch_jax.models.transformer import init_model
-from selforch_jax.runtime import ar, apar, sot
+from selforch_jax.runtime.schedulers import ar, apar, sot
 from selforch_jax.runtime.engine import Engine
 
 

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from selforch_jax.decoding.sampling import SamplingParams
+from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.lang import TagVocab, assemble, batch_layouts, build_layout
 from selforch_jax.models.config import get_preset
 from selforch_jax.models.transformer import KVCache, init_model
-from selforch_jax.runtime import ar
+from selforch_jax.runtime.schedulers import ar
 from selforch_jax.runtime.annotated import random_annotated
 from selforch_jax.runtime.engine import Engine
 from selforch_jax.runtime.kv_pool import ALIVE, FREE
-from selforch_jax.runtime.registry import make_scheduler
+from selforch_jax.runtime.schedulers import make_scheduler
 from selforch_jax.runtime.scheduler import execute, run
-from selforch_jax.runtime.tip import TIPScheduler
+from selforch_jax.runtime.schedulers.tip import TIPScheduler
 
 BASE = 256
 TV = TagVocab.appended(BASE, 4, eos_ids=[2], digit_ids=range(48, 58), space_ids=[32])
@@ -276,7 +276,7 @@ def test_register_kv_inside_threads_on_the_engine(setup):
   their own owners (fresh pages); with its evictions, one token per engine step under the
   layout's segments, the logits equal the training forward."""
   from selforch_jax.lang import LayoutBuilder
-  from selforch_jax.runtime.tip import RegisterKV
+  from selforch_jax.runtime.schedulers.tip import RegisterKV
   model = setup[0]
   rng = np.random.default_rng(7)
   freed = thread_kills = 0

@@ -141,7 +141,7 @@ def generate_responses(prompts: Sequence[str], model: Any, tokenizer: Any, *,
     tokenizer: its tokenizer (``encode_chat``, ``decode``, ``stop_ids``).
     max_new_tokens: token budget per response.
     batch_size: prompts per ``generate`` call (left padding; rows do not affect each other).
-    sampling: :class:`~selforch_jax.decoding.sampling.SamplingParams` (None = greedy).
+    sampling: :class:`~selforch_jax.runtime.sampling.SamplingParams` (None = greedy).
 
   Returns:
     ``(rows, stats)``: per prompt ``{"text", "num_tokens", "finish_reason"}``; stats ``{"prompts",
@@ -151,7 +151,7 @@ def generate_responses(prompts: Sequence[str], model: Any, tokenizer: Any, *,
     ValueError: ``batch_size < 1`` or from ``Generator.generate`` (e.g. a prompt too long).
   """
   from selforch_jax.decoding.generate import Generator
-  from selforch_jax.decoding.sampling import SamplingParams
+  from selforch_jax.runtime.sampling import SamplingParams
 
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from selforch_jax.decoding.sampling import SamplingParams, sample_token
+from selforch_jax.runtime.sampling import SamplingParams, sample_token
 from selforch_jax.models.transformer import KVCache, Transformer
 
 PROMPT_BUCKET = 32  # prompts are padded to a multiple of this many tokens (fewer compiles)

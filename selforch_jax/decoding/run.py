@@ -4,7 +4,7 @@ batching prompts through :class:`~selforch_jax.decoding.generate.Generator`, wri
 With ``pasta.adapter`` set (a PASTA adapter directory, :mod:`selforch_jax.adapter`), the run then
 decodes ``pasta.alpaca_eval`` AlpacaEval prompts (from index ``pasta.offset``; AlpacaEval never
 enters PASTA training, ``data/pasta/PROVENANCE.md``) with the adapter's model, batch 1, greedy,
-twice on one engine: PASTA (:mod:`selforch_jax.runtime.pasta`) and plain AR, both timed after
+twice on one engine: PASTA (:mod:`selforch_jax.runtime.schedulers.pasta`) and plain AR, both timed after
 every step size is compiled. It writes ``pasta.jsonl`` (one row per prompt, :func:`run_pasta_part`)
 and a ``pasta`` block in ``summary.json``.
 """
@@ -48,7 +48,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise config_lib.ConfigError("batch_size must be >= 1")
   if config.padding not in ("left", "right"):
     raise config_lib.ConfigError(f"padding={config.padding!r} must be 'left' or 'right'")
-  from selforch_jax.decoding.sampling import SamplingParams
+  from selforch_jax.runtime.sampling import SamplingParams
   try:
     SamplingParams(**config.sampling.to_dict())
   except ValueError as e:
@@ -89,7 +89,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
 
   from selforch_jax.decoding.generate import Generator
   from selforch_jax.decoding.prompts import load_prompts
-  from selforch_jax.decoding.sampling import SamplingParams
+  from selforch_jax.runtime.sampling import SamplingParams
 
   validate(config)
   items = load_prompts(config.inputs, prompts_file, prompt)

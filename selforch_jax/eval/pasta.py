@@ -6,10 +6,10 @@ In one run, batch 1, greedy, on the first ``n`` AlpacaEval instructions
 (``data/alpaca_eval``, after ``offset``):
 
 * **AR**: the baseline model (``config.baseline``, a Baseline-SFT workdir; default the base
-  model) decoded autoregressively through the engine (:mod:`selforch_jax.runtime.ar`);
+  model) decoded autoregressively through the engine (:mod:`selforch_jax.runtime.schedulers.ar`);
 * **PASTA**: the PASTA model (``config.pasta``; default the base model with tag rows) with
-  :class:`~selforch_jax.runtime.pasta.PASTAScheduler`;
-* **SoT** (:mod:`selforch_jax.runtime.sot`) and **APAR** (:mod:`selforch_jax.runtime.apar`) on
+  :class:`~selforch_jax.runtime.schedulers.pasta.PASTAScheduler`;
+* **SoT** (:mod:`selforch_jax.runtime.schedulers.sot`) and **APAR** (:mod:`selforch_jax.runtime.schedulers.apar`) on
   the baseline model (both are methods for an untrained-for-PASTA model);
 * every run in ``config.pareto`` (``label=workdir,...``: PASTA runs per λ / round; labels
   ``NAME/ROUND`` draw one line per NAME in the plot) decoded with
@@ -25,13 +25,13 @@ Figures per system, each with n and a bootstrap 95% CI (:mod:`selforch_jax.eval.
   CI is the bootstrap CI of the mean log ratio, exponentiated); compiles are excluded (every
   step size the runs use is compiled before timing);
 * ``theoretical_speedup``: per prompt, tokens of the sequential (de-tagged) response over the
-  forwards on its critical path (PASTA's definition; :class:`~selforch_jax.runtime.pasta.
+  forwards on its critical path (PASTA's definition; :class:`~selforch_jax.runtime.schedulers.pasta.
   PastaStats`; SoT/APAR: tokens generated over engine steps); AR is 1;
 * ``tokens_per_forward``: every token the engine ran for the response (tags included) per step;
 * ``parse_rate``: PASTA: no degradation rule applied, except the ones that close a plan or chunk
   still open when the answer reached ``max_new_tokens`` (an AR answer is cut there too);
   ``parse_rate_strict`` counts those as failures. With ``constrain_tags`` (the default) the
-  runtime samples under the tag grammar (:func:`selforch_jax.runtime.pasta.tag_grammar`), so the
+  runtime samples under the tag grammar (:func:`selforch_jax.runtime.schedulers.pasta.tag_grammar`), so the
   rules left are the budget ones (those, and a thread at its cap); an answer forks at most
   ``max_threads`` threads (default 32; PASTA's pool has room for as many partial pages), and a
   promise topic of ``max_topic_tokens`` tokens (default 12; 0 = no limit) must go on with its
@@ -165,9 +165,9 @@ def warm_up(engine, max_T: int, constraint_ids=None) -> None:
   greedy sampling of as many rows (also constrained to the tag grammar over ``constraint_ids`` when given:
   :func:`pasta_constraint_ids`), so timed runs exclude compiles; resets the engine's step
   counters."""
-  from selforch_jax.decoding.sampling import SamplingParams
+  from selforch_jax.runtime.sampling import SamplingParams
   from selforch_jax.runtime.engine import bucket_size
-  from selforch_jax.runtime.pasta import sample_rows
+  from selforch_jax.runtime.sampling import sample_rows
   S = engine.num_slots
   sizes = []
   T = 1
@@ -186,7 +186,7 @@ def warm_up(engine, max_T: int, constraint_ids=None) -> None:
 
 
 def pasta_options(c) -> dict:
-  """:class:`~selforch_jax.runtime.pasta.PASTAScheduler` options from a config (the eval's, or
+  """:class:`~selforch_jax.runtime.schedulers.pasta.PASTAScheduler` options from a config (the eval's, or
   ``make demo``'s ``pasta`` section): ``constrain_tags``, ``max_threads`` and
   ``max_topic_tokens`` (config 0 = no limit), the last two only under the tag grammar."""
   if not c.constrain_tags:
@@ -207,7 +207,7 @@ def pasta_pool_slots(prompt_len: int, max_new: int, page_size: int, options: dic
 def pasta_constraint_ids(tv, tok, options: dict) -> tuple[int, ...] | None:
   """The ids the PASTA scheduler constrains under ``options`` (:func:`pasta_options`; None
   without ``constrain_tags``), for :func:`warm_up`."""
-  from selforch_jax.runtime.pasta import constraint_ids
+  from selforch_jax.runtime.schedulers.pasta import constraint_ids
   if not options.get("constrain_tags"):
     return None
   return constraint_ids(tv, tok.stop_ids, digits=options.get("max_topic_tokens") is not None)
@@ -272,7 +272,7 @@ def _decode(tok, ids) -> str:
 
 def run_ar(engine, tok, prompt, max_new) -> dict:
   """AR baseline on one prompt (batch 1): text, token ids, wall seconds, tokens, forwards."""
-  from selforch_jax.runtime import ar
+  from selforch_jax.runtime.schedulers import ar
   steps0 = engine.num_steps
   t0 = time.perf_counter()
   (r,) = ar.generate(engine, [prompt], max_new_tokens=max_new, stop_ids=tok.stop_ids)
@@ -285,11 +285,11 @@ def run_ar(engine, tok, prompt, max_new) -> dict:
 
 
 def run_pasta(engine, tok, tv, prompt, max_new, cap, **options) -> dict:
-  """PASTA on one prompt (batch 1, greedy; ``options``: :class:`~selforch_jax.runtime.pasta.
+  """PASTA on one prompt (batch 1, greedy; ``options``: :class:`~selforch_jax.runtime.schedulers.pasta.
   PASTAScheduler` options, e.g. ``constrain_tags`` for the tag grammar,
-  :func:`selforch_jax.runtime.pasta.tag_grammar`): ``text`` (final, logical order, tags
+  :func:`selforch_jax.runtime.schedulers.pasta.tag_grammar`): ``text`` (final, logical order, tags
   dropped), ``raw`` (the canonical tagged output, tags written), ids, wall seconds, stats."""
-  from selforch_jax.runtime import pasta
+  from selforch_jax.runtime.schedulers import pasta
   t0 = time.perf_counter()
   s = pasta.generate(engine, [prompt], tv, max_new_tokens=max_new, stop_ids=tok.stop_ids, cap=cap,
                      **options)
@@ -311,7 +311,7 @@ def run_pasta(engine, tok, tv, prompt, max_new, cap, **options) -> dict:
 
 def run_sot(engine, tok, question, sc) -> dict:
   """Skeleton-of-Thought on one question."""
-  from selforch_jax.runtime import sot
+  from selforch_jax.runtime.schedulers import sot
   r = sot.skeleton_of_thought(engine, tok, question, skeleton_tokens=sc.skeleton_tokens,
                               point_tokens=sc.point_tokens, max_points=sc.max_points)
   ids = tok.encode(r.text)
@@ -322,7 +322,7 @@ def run_sot(engine, tok, question, sc) -> dict:
 
 def run_apar(engine, tok, prompt, max_new, apc) -> dict:
   """APAR-style decoding on one prompt."""
-  from selforch_jax.runtime import apar
+  from selforch_jax.runtime.schedulers import apar
   r = apar.apar_generate(engine, prompt, tok, max_new_tokens=max_new,
                          child_tokens=apc.child_tokens, max_forks=apc.max_forks,
                          stop_ids=tok.stop_ids)
@@ -364,7 +364,7 @@ def _thread_lengths(layout) -> list[int]:
 def forced_plan(engine, tok, tv, prompts, fc, ec) -> dict:
   """The forced-plan measurement (module docstring): PASTA threads vs AR, same token count."""
   from selforch_jax.lang import Promise, Round, serialize
-  from selforch_jax.runtime import ar, pasta
+  from selforch_jax.runtime.schedulers import ar, pasta
   recs = []
   for p in prompts:
     plan = []

@@ -4,11 +4,11 @@ r"""TIP evaluation: accuracy vs live KV for TIP and KV-budget baselines, in one 
 (GSM8K test, the synthetic chained-arithmetic task, MATH-500, AIME: any name of
 ``data.sources.DATASETS`` with a test file), on the same fixed subset ``rows[offset:offset+n]``:
 
-* ``tip``: the TIP model through :class:`~selforch_jax.runtime.tip.TIPScheduler` (register tags
+* ``tip``: the TIP model through :class:`~selforch_jax.runtime.schedulers.tip.TIPScheduler` (register tags
   evict dead steps);
 * ``dense``: the dense model with the full KV cache;
 * ``streaming_llm``, ``h2o``, ``paged_h2o``: the dense model under a live-KV budget
-  (:mod:`selforch_jax.runtime.kv_policies`).
+  (:mod:`selforch_jax.runtime.schedulers.kv_policies`).
 
 **Matched budget** (``eval.budget``): per problem, ``"tip_mean"`` = ceil of TIP's mean live KV on
 that problem (tokens, prompt included), ``"tip_peak"`` = TIP's peak, or a fixed integer (a string
@@ -200,10 +200,10 @@ def run_system(system: str, engine, prompts, tv, ec, stop_ids, budgets=None) -> 
   Returns:
     ``{"results": [GenerationResult], "kv": [per-request kv dict], "decode_s": float}``.
   """
-  from selforch_jax.decoding.sampling import SamplingParams
-  from selforch_jax.runtime.kv_policies import PolicyScheduler, make_policy
+  from selforch_jax.runtime.sampling import SamplingParams
+  from selforch_jax.runtime.schedulers.kv_policies import PolicyScheduler, make_policy
   from selforch_jax.runtime.scheduler import run
-  from selforch_jax.runtime.tip import TIPScheduler
+  from selforch_jax.runtime.schedulers.tip import TIPScheduler
 
   sampling = SamplingParams(temperature=float(ec.temperature), seed=int(ec.seed))
   results, kv, secs = [], [], 0.0
@@ -266,7 +266,7 @@ def teacher_forced_live_kv(engine, prompts, solutions, tok, tv, ec) -> dict:
     ``killed_share`` (share of response tokens evicted by the end), ``decode_s``.
   """
   from selforch_jax.runtime.scheduler import run
-  from selforch_jax.runtime.tip import TIPScheduler
+  from selforch_jax.runtime.schedulers.tip import TIPScheduler
   forced = [tok.encode(s) + [tok.stop_ids[-1]] for s in solutions]
   tip_m, tip_p, den_m, den_p, resp_t, resp_d, lps, killed = [], [], [], [], [], [], [], []
   secs = 0.0

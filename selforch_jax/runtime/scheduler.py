@@ -28,64 +28,16 @@ catch it in :meth:`Scheduler.on_exhausted` and return a plan with evictions inst
 from __future__ import annotations
 
 import abc
-import dataclasses
-from typing import Any, Mapping
 
-import jax
 import numpy as np
 
 from selforch_jax.runtime.engine import Engine
 from selforch_jax.runtime.kv_pool import PoolExhausted
+from selforch_jax.runtime.step import ForwardSpec, StepPlan, StepResult
+
+__all__ = ["Scheduler", "StepPlan", "StepResult", "ForwardSpec", "execute", "run"]
 
 MAX_EXHAUSTED_RETRIES = 64  # replacement plans tried for one step before PoolExhausted escapes
-
-
-@dataclasses.dataclass
-class StepPlan:
-  """One engine step and the pool changes before it.
-
-  Attributes:
-    tokens, positions: int ``[T]``.
-    segments: int ``[T]`` segment of each query (``< G``).
-    owners: int ``[T]`` (or one int) page-table owner of each query's slot.
-    visible: bool ``[G, G]`` segment visibility; bidir: bool ``[G]``.
-    orders: optional int ``[T]`` decode indices (default: the engine's counter).
-    evict: slots to kill before the step.
-    free_owners: owners whose pages are released before the step.
-    rollback: ``{owner: n}``: crop the newest n slots of each owner before the step.
-    scratch: release this step's slots right after it (verify without writing back).
-    key_keep: optional bool ``[S]`` keys hidden for this step only.
-    tag: anything the scheduler wants back in :meth:`Scheduler.on_step`.
-  """
-
-  tokens: Any
-  positions: Any
-  segments: Any
-  owners: Any
-  visible: Any
-  bidir: Any
-  orders: Any = None
-  evict: Any = ()
-  free_owners: tuple[int, ...] = ()
-  rollback: Mapping[int, int] = dataclasses.field(default_factory=dict)
-  scratch: bool = False
-  key_keep: Any = None
-  tag: Any = None
-
-
-@dataclasses.dataclass
-class StepResult:
-  """What one step produced.
-
-  Attributes:
-    logits: float32 ``[T, V]`` device array (row t = next-token logits of query t).
-    slots: int32 ``[T]`` slots the queries were written to (released if ``scratch``).
-    released_pages: pages returned to the free list by this plan's evictions.
-  """
-
-  logits: jax.Array
-  slots: np.ndarray
-  released_pages: list[int]
 
 
 class Scheduler(abc.ABC):

@@ -50,7 +50,7 @@ def validate_po(config: ml_collections.ConfigDict) -> None:
   """Value checks of the ``grpo`` / ``bonbon`` section in use (types are checked by
   ``trainers.run.validate``). Raises ``config_lib.ConfigError`` naming the key."""
   from selforch_jax.data.sources import DATASETS
-  from selforch_jax.runtime.registry import available
+  from selforch_jax.runtime.schedulers import available
   from selforch_jax.trainers.bonbon import SCORES
   from selforch_jax.trainers.rewards import reward_names
 
@@ -176,7 +176,7 @@ def response_text(tok, ids, tv) -> str:
 
 
 def _sampling(s, seed: int):
-  from selforch_jax.decoding.sampling import SamplingParams
+  from selforch_jax.runtime.sampling import SamplingParams
   return SamplingParams(temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),
                         seed=int(seed))
 

@@ -26,9 +26,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from selforch_jax.decoding.sampling import SamplingParams
+from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.runtime.engine import Engine
-from selforch_jax.runtime.registry import make_scheduler
+from selforch_jax.runtime.schedulers import make_scheduler
 from selforch_jax.runtime.scheduler import run
 
 

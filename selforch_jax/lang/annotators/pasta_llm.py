@@ -15,7 +15,7 @@ Backends (one small interface, :class:`ChatBackend` ``.complete(messages) -> str
   arguments or the environment (``SELFORCH_ANNOTATOR_BASE_URL`` / ``_MODEL`` / ``_API_KEY``,
   falling back to ``OPENAI_BASE_URL`` / ``OPENAI_MODEL`` / ``OPENAI_API_KEY``);
 * :class:`EngineChatBackend` — our own engine: the chat template of the given tokenizer, greedy
-  (or sampled) decoding with :func:`selforch_jax.runtime.ar.generate` on an
+  (or sampled) decoding with :func:`selforch_jax.runtime.schedulers.ar.generate` on an
   :class:`~selforch_jax.runtime.engine.Engine`.
 
 Validation (never raises; a rejected rewrite is ``Annotation(None, info={"rejected": reason})``):
@@ -179,7 +179,7 @@ class OpenAIChatBackend(ChatBackend):
 
 class EngineChatBackend(ChatBackend):
   """Our own engine as the annotating model: the tokenizer's chat template, then
-  :func:`selforch_jax.runtime.ar.generate` (greedy unless ``sampling`` says otherwise).
+  :func:`selforch_jax.runtime.schedulers.ar.generate` (greedy unless ``sampling`` says otherwise).
 
   Args:
     model: an NNX :class:`~selforch_jax.models.transformer.Transformer`.
@@ -187,7 +187,7 @@ class EngineChatBackend(ChatBackend):
     max_new_tokens: reply budget in tokens.
     page_size: KV pool page size; the pool is sized for the longest request seen (re-built when
       a longer one comes).
-    sampling: :class:`~selforch_jax.decoding.sampling.SamplingParams` (None = greedy).
+    sampling: :class:`~selforch_jax.runtime.sampling.SamplingParams` (None = greedy).
   """
 
   def __init__(self, model: Any, tokenizer: Any, max_new_tokens: int = 1024, page_size: int = 64,
@@ -210,8 +210,8 @@ class EngineChatBackend(ChatBackend):
 
   def complete(self, messages: Sequence[dict[str, str]]) -> str:
     """Greedy reply (tags written as their strings), stop token excluded."""
-    from selforch_jax.decoding.sampling import SamplingParams
-    from selforch_jax.runtime.ar import generate
+    from selforch_jax.runtime.sampling import SamplingParams
+    from selforch_jax.runtime.schedulers.ar import generate
 
     ids = list(self.tokenizer.encode_chat(list(messages), add_generation_prompt=True))
     eng = self._engine_for(len(ids) + self.max_new_tokens)

@@ -13,7 +13,7 @@ Backends (a callable ``prompt -> reply text``):
 
 * :class:`OpenAIChatBackend`: any OpenAI-compatible ``/v1/chat/completions`` endpoint, standard
   library ``urllib`` only (greedy, temperature 0);
-* :class:`EngineBackend`: this project's engine, :func:`selforch_jax.runtime.ar.generate` with the
+* :class:`EngineBackend`: this project's engine, :func:`selforch_jax.runtime.schedulers.ar.generate` with the
   model's chat template (greedy).
 
 A backend error (connection refused, HTTP error, timeout, bad JSON envelope) is also a rejection:
@@ -175,7 +175,7 @@ class EngineBackend:
     self._slots = 0
 
   def __call__(self, prompt: str) -> str:
-    from selforch_jax.runtime.ar import generate
+    from selforch_jax.runtime.schedulers.ar import generate
     ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                              add_generation_prompt=True, tokenize=True)
     need = len(ids) + self.max_new_tokens

@@ -5,7 +5,7 @@ Two stages, both on the same :class:`~selforch_jax.runtime.engine.Engine`:
 
 1. **Skeleton**: the question in SoT's skeleton prompt (:data:`SKELETON_PROMPT`, the paper's
    template, Appendix A), the assistant turn pre-filled with ``"1."``; AR decoding
-   (:class:`~selforch_jax.runtime.ar.ARScheduler`) up to ``skeleton_tokens``.
+   (:class:`~selforch_jax.runtime.schedulers.ar.ARScheduler`) up to ``skeleton_tokens``.
 2. **Point expansion**: :func:`parse_points` reads the numbered points (``"1. ..."``, at most
    ``max_points``); each point gets SoT's point-expanding prompt (:data:`POINT_PROMPT`: the
    question, the whole skeleton, "continue only point i"), the assistant turn pre-filled with
@@ -32,8 +32,8 @@ import re
 import time
 from typing import Any, Sequence
 
-from selforch_jax.decoding.sampling import SamplingParams
-from selforch_jax.runtime.ar import ARScheduler
+from selforch_jax.runtime.sampling import SamplingParams
+from selforch_jax.runtime.schedulers.ar import ARScheduler
 from selforch_jax.runtime.engine import Engine
 from selforch_jax.runtime.registry import fresh_bases
 from selforch_jax.runtime.scheduler import run

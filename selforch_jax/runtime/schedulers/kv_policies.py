@@ -1,7 +1,7 @@
 """KV-cache policies on the AR scheduler: dense, StreamingLLM, H2O, paged H2O (and the hook TIP
 uses), with per-request live-KV accounting from the pool.
 
-:class:`PolicyScheduler` is :class:`~selforch_jax.runtime.ar.ARScheduler` (same steps, same
+:class:`PolicyScheduler` is :class:`~selforch_jax.runtime.schedulers.ar.ARScheduler` (same steps, same
 sampling, token for token equal to it when nothing is evicted) with one :class:`KVPolicy` per
 request. Around every engine step the policy decides, for its request:
 
@@ -51,10 +51,11 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from selforch_jax.decoding.sampling import SamplingParams
-from selforch_jax.runtime.ar import ARScheduler
+from selforch_jax.runtime.sampling import SamplingParams
+from selforch_jax.runtime.schedulers.ar import ARScheduler
 from selforch_jax.runtime.engine import Engine
 from selforch_jax.runtime.kv_pool import ALIVE
+from selforch_jax.runtime.registry import fresh_bases
 from selforch_jax.runtime.scheduler import StepPlan, StepResult
 
 __all__ = ["Route", "KVPolicy", "DensePolicy", "StreamingLLMPolicy", "H2OPolicy",
@@ -293,7 +294,6 @@ class PolicyScheduler(ARScheduler):
                policies: Sequence[KVPolicy], max_new_tokens: int = 1,
                sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                forced: Sequence[Sequence[int]] | None = None, keep_logits: bool = False):
-    from selforch_jax.runtime.registry import fresh_bases
     if len(policies) != len(prompts):
       raise ValueError(f"{len(policies)} policies for {len(prompts)} prompts")
     if forced is not None:

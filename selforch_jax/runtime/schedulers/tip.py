@@ -23,9 +23,9 @@ Pieces:
   stream and step; kills -> evict / free), reusable by any scheduler that feeds a
   ``LayoutBuilder`` (e.g. PASTA threads with registers: one ``RegisterKV`` per sequence, fed
   the builder's events of every thread token).
-* :class:`TIPPolicy` — a :class:`~selforch_jax.runtime.kv_policies.KVPolicy` (one request):
+* :class:`TIPPolicy` — a :class:`~selforch_jax.runtime.schedulers.kv_policies.KVPolicy` (one request):
   builder + ``RegisterKV``.
-* :class:`TIPScheduler` — :class:`~selforch_jax.runtime.kv_policies.PolicyScheduler` with a
+* :class:`TIPScheduler` — :class:`~selforch_jax.runtime.schedulers.kv_policies.PolicyScheduler` with a
   ``TIPPolicy`` per prompt: greedy / sampled (the AR scheduler's sampling) or teacher-forced;
   live KV per request in :attr:`kv_stats` (tokens and bytes, mean and peak).
 
@@ -45,12 +45,14 @@ import collections
 import dataclasses
 from typing import Callable, Sequence
 
-from selforch_jax.decoding.sampling import SamplingParams
+from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.lang.events import MAIN, EndOfText, Event, RegisterUse, Sync
 from selforch_jax.lang.mask import LayoutBuilder
 from selforch_jax.lang.tags import TagVocab
 from selforch_jax.runtime.engine import Engine
-from selforch_jax.runtime.kv_policies import KVPolicy, PolicyScheduler, Route
+from selforch_jax.runtime.registry import register
+from selforch_jax.runtime.scheduler import Scheduler
+from selforch_jax.runtime.schedulers.kv_policies import KVPolicy, PolicyScheduler, Route
 
 __all__ = ["RegisterKV", "TIPPolicy", "TIPScheduler"]
 
@@ -190,7 +192,7 @@ class TIPScheduler(PolicyScheduler):
       register tag so that kills apply in order).
     tag_vocab: the model's :class:`TagVocab`.
     max_new_tokens, sampling, stop_ids, forced, keep_logits: as
-      :class:`~selforch_jax.runtime.kv_policies.PolicyScheduler`.
+      :class:`~selforch_jax.runtime.schedulers.kv_policies.PolicyScheduler`.
     eos_ids, **builder_kw: as :class:`TIPPolicy`.
 
   After :func:`~selforch_jax.runtime.scheduler.run`: ``results``, ``kv_stats`` (per request:
@@ -210,3 +212,11 @@ class TIPScheduler(PolicyScheduler):
     """The :class:`~selforch_jax.lang.mask.Layout` of the tokens request i ran (prompt and
     every generated token fed to the engine)."""
     return self.policies[i].builder.layout()
+
+
+@register("tip")
+def _tip(engine: Engine, prompts: Sequence[Sequence[int]], **kw) -> Scheduler:
+  """TIP: AR decoding where reusing a thought register evicts the dead step's KV pages
+  (:class:`~selforch_jax.runtime.schedulers.tip.TIPScheduler`; needs ``tag_vocab``, takes
+  ``max_new_tokens``, ``sampling``, ``stop_ids``)."""
+  return TIPScheduler(engine, prompts, **kw)

@@ -5,33 +5,33 @@ itself). Prompt i is prefilled in one engine step of T = len(prompt_i); then eve
 step runs the last token of every unfinished sequence together (T = number of live rows;
 continuous batching in one flat KV row). Finished sequences release their pages.
 
-It reproduces :meth:`selforch_jax.decoding.generate.Generator.generate` token for token:
-the token of step i (step 0 = the one after the prompt) is drawn by
-``sample_token(logits[B, V], fold_in(PRNGKey(seed), i), params)`` over all B rows at
-once, exactly as the foundation's batched decode does (rows that already stopped pass
-stale logits, which only affect their own, discarded, row).
+The token of step i (step 0 = the one after the prompt) is drawn by the runtime's one sampler,
+:func:`selforch_jax.runtime.sampling.sample` over ``logits[B, V]`` with the key
+``fold_in(PRNGKey(seed), i)``, over all B rows at once (rows that already stopped pass stale
+logits, which only affect their own, discarded, row). Greedy decoding of a request in a batch
+gives exactly the tokens it gets alone (tests/test_decode.py).
+
+Stop conditions (:mod:`selforch_jax.runtime.generation`): any of ``stop_ids`` (every EOS id of the
+model: :func:`~selforch_jax.runtime.generation.eos_ids`; not part of the answer, finish reason
+``"stop"``), a stop string (``stop_strings`` with a ``decode`` callable: the answer's text
+contains one; the tokens up to the one that completed it are kept, the text is cut by
+:func:`~selforch_jax.runtime.generation.cut_at_stop` where results become text; ``"stop"``), or
+``max_new_tokens`` (``"length"``).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from selforch_jax.decoding.generate import GenerationResult
-from selforch_jax.decoding.sampling import SamplingParams, sample_token
+from selforch_jax.runtime.generation import GenerationResult, StopStringWatcher, check_context
+from selforch_jax.runtime.sampling import SamplingParams, sample
 from selforch_jax.runtime.engine import Engine
+from selforch_jax.runtime.registry import fresh_bases, register
 from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run
-
-
-@functools.partial(jax.jit, static_argnums=(3,))
-def _sample(logits, key, step, params: SamplingParams):
-  tok = sample_token(logits, jax.random.fold_in(key, step), params)
-  lp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tok[:, None], axis=1)[:, 0]
-  return tok, lp
 
 
 class ARScheduler(Scheduler):
@@ -41,24 +41,37 @@ class ARScheduler(Scheduler):
     prompts: B non-empty lists of int token ids.
     max_new_tokens: tokens to generate per prompt (>= 1), the stop token included.
     sampling: :class:`SamplingParams` (greedy by default).
-    stop_ids: ids that end a sequence (not included in the output).
+    stop_ids: ids that end a sequence (not included in the output): every EOS id of the model
+      (:func:`~selforch_jax.runtime.generation.eos_ids`).
     owner_base / segment_base: ids of sequence 0 (sequence i uses base + i); segments below
       ``segment_base`` (other jobs in the same pool) are invisible to these sequences.
+    stop_strings: strings that end a sequence once its decoded text holds one (needs
+      ``decode``); the tokens are kept, the text is cut where results become text.
+    decode: ``ids -> str`` (the tokenizer's ``decode``), for ``stop_strings``.
+    on_token: optional ``callback(row, token_id)`` called with every token that becomes part
+      of an answer, as it is sampled (streaming; a stop id is not passed).
 
   After :func:`run`, :attr:`results` holds one
-  :class:`~selforch_jax.decoding.generate.GenerationResult` per prompt.
+  :class:`~selforch_jax.runtime.generation.GenerationResult` per prompt (``finish_reason``
+  ``"stop"`` or ``"length"``).
 
   Raises:
-    ValueError: empty batch or prompt, or ``max_new_tokens < 1``.
+    ValueError: empty batch or prompt, ``max_new_tokens < 1``, or ``stop_strings`` without
+      ``decode``.
   """
 
   def __init__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
-               owner_base: int = 0, segment_base: int = 0):
+               owner_base: int = 0, segment_base: int = 0, *,
+               stop_strings: Sequence[str] = (),
+               decode: Callable[[Sequence[int]], str] | None = None,
+               on_token: Callable[[int, int], None] | None = None):
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("ARScheduler needs at least one prompt, none empty")
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if stop_strings and decode is None:
+      raise ValueError("stop_strings need a decode callable (ids -> text)")
     self.prompts = [list(map(int, p)) for p in prompts]
     self.max_new = int(max_new_tokens)
     self.sampling = sampling
@@ -77,20 +90,33 @@ class ARScheduler(Scheduler):
     self._prefilled = 0
     self._freed: set[int] = set()
     self._last_logits = [None] * B   # [V] device rows of the latest logits per sequence
-    self.step = 0                    # index of the next token to sample (Generator's step)
+    self.step = 0                    # index of the next token to sample
+    self.stop_strings = tuple(stop_strings)
+    self.watchers = ([StopStringWatcher(decode, self.stop_strings) for _ in range(B)]
+                     if self.stop_strings else None)
+    self.hit_stop_string = np.zeros(B, bool)
+    self.on_token = on_token
     self.results: list[GenerationResult] | None = None
 
   def _sample_all(self) -> None:
     B = len(self.prompts)
     logits = jnp.stack(self._last_logits)
-    tok, lp = jax.device_get(_sample(logits, self.key, self.step, self.sampling))
+    tok, lp = jax.device_get(sample(logits, self.key, self.step, self.sampling))
     for i in range(B):
       if self.done[i]:
         continue
       t = int(tok[i])
       self.tokens[i].append(t)
       self.logprobs[i].append(float(lp[i]))
-      if t in self.stops or len(self.tokens[i]) >= self.max_new:
+      if t in self.stops:
+        self.done[i] = True
+        continue
+      if self.on_token is not None:
+        self.on_token(i, t)
+      if self.watchers is not None and self.watchers[i].push(t):
+        self.hit_stop_string[i] = True
+        self.done[i] = True
+      if len(self.tokens[i]) >= self.max_new:
         self.done[i] = True
     self.step += 1
     if self.done.all():
@@ -98,11 +124,12 @@ class ARScheduler(Scheduler):
 
   def _finish(self) -> None:
     self.results = []
-    for ids, lps in zip(self.tokens, self.logprobs):
+    for i, (ids, lps) in enumerate(zip(self.tokens, self.logprobs)):
       if ids and ids[-1] in self.stops:
         self.results.append(GenerationResult(ids[:-1], lps[:-1], "stop"))
       else:
-        self.results.append(GenerationResult(list(ids), list(lps), "length"))
+        reason = "stop" if self.hit_stop_string[i] else "length"
+        self.results.append(GenerationResult(list(ids), list(lps), reason))
 
   def next_step(self) -> StepPlan | None:
     if self.results is not None:
@@ -140,27 +167,44 @@ class ARScheduler(Scheduler):
 
 def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
-             free_after: bool = True) -> list[GenerationResult]:
-  """AR decoding of ``prompts`` on ``engine`` (the engine counterpart of ``Generator.generate``).
+             free_after: bool = True, **kw) -> list[GenerationResult]:
+  """AR decoding of ``prompts`` on ``engine`` (batched: one engine step per token).
 
   Args:
     engine: an :class:`Engine` with room for every prompt plus its new tokens.
     prompts, max_new_tokens, sampling, stop_ids: as :class:`ARScheduler`.
     free_after: release every sequence's pages at the end.
+    **kw: ``stop_strings``, ``decode``, ``on_token`` of :class:`ARScheduler`.
 
   Returns:
     One :class:`GenerationResult` per prompt.
 
   Raises:
+    ContextLengthError: a prompt plus ``max_new_tokens`` exceeds the model's
+      ``max_position_embeddings`` (checked before anything runs).
     PoolExhausted: the pool is too small.
   """
+  check_context([len(p) for p in prompts], max_new_tokens, engine.cfg.max_position_embeddings)
   # fresh owner and segment ids: sequences already in the pool stay invisible to these
-  owner_base = max(engine.pool.owners(), default=-1) + 1
-  segment_base = int(engine.pool.segment.max(initial=-1)) + 1
+  owner_base, segment_base = fresh_bases(engine)
   sched = ARScheduler(prompts, max_new_tokens, sampling, stop_ids, owner_base=owner_base,
-                      segment_base=segment_base)
+                      segment_base=segment_base, **kw)
   run(engine, sched)
   if free_after:
     for o in sched.owners:
       engine.pool.free_owner(int(o))
   return sched.results
+
+
+@register("ar")
+def _ar(engine: Engine, prompts: Sequence[Sequence[int]], tag_vocab=None, **kw) -> Scheduler:
+  """Plain AR decoding (:class:`~selforch_jax.runtime.schedulers.ar.ARScheduler`); ``tag_vocab`` is
+  accepted and unused (tags are decoded as ordinary tokens).
+
+  Raises:
+    ContextLengthError: a prompt plus ``max_new_tokens`` exceeds the model's context."""
+  if "max_new_tokens" in kw:
+    check_context([len(p) for p in prompts], kw["max_new_tokens"],
+                  engine.cfg.max_position_embeddings)
+  owner_base, segment_base = fresh_bases(engine)
+  return ARScheduler(prompts, owner_base=owner_base, segment_base=segment_base, **kw)

@@ -43,9 +43,9 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from selforch_jax.decoding.sampling import SamplingParams
+from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.runtime.engine import Engine
-from selforch_jax.runtime.pasta import sample_rows
+from selforch_jax.runtime.sampling import sample_rows
 from selforch_jax.runtime.registry import fresh_bases
 from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run
 
@@ -93,7 +93,7 @@ class APARScheduler(Scheduler):
     max_new_tokens: most tokens over all branches (>= 1).
     child_tokens: a child's budget.
     max_forks: forks per request (afterwards the main thread decodes plainly).
-    sampling, stop_ids: as :class:`~selforch_jax.runtime.ar.ARScheduler`.
+    sampling, stop_ids: as :class:`~selforch_jax.runtime.schedulers.ar.ARScheduler`.
     owner_base / segment_base: first ids this job uses.
 
   After :func:`run`: :attr:`result` (:class:`APARResult`).

@@ -55,16 +55,14 @@ included, from its first promise on).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from selforch_jax.decoding.generate import GenerationResult
-from selforch_jax.decoding.sampling import SamplingParams, sample_token
+from selforch_jax.runtime.generation import GenerationResult
+from selforch_jax.runtime.sampling import SamplingParams, sample_rows
 from selforch_jax.lang import (
   MAIN, AsyncClosed, EndOfText, LayoutBuilder, PromiseClosed, RegisterUse, Sync, TagVocab,
   assemble,
@@ -72,57 +70,11 @@ from selforch_jax.lang import (
 from selforch_jax.lang.parser import DEFAULT_CAP
 from selforch_jax.lang.tags import TOKENS_PER_UNIT
 from selforch_jax.runtime.engine import Engine, bucket_size
+from selforch_jax.runtime.registry import fresh_bases, register
 from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run
 
 __all__ = ["PASTAScheduler", "PastaStats", "sample_rows", "grammar_ids", "constraint_ids",
            "tag_grammar", "generate"]
-
-
-@functools.partial(jax.jit, static_argnums=(3,))
-def _sample_padded(logits, key, step, params: SamplingParams):
-  tok = sample_token(logits, jax.random.fold_in(key, step), params)
-  lp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tok[:, None], axis=1)[:, 0]
-  return tok, lp
-
-
-@functools.partial(jax.jit, static_argnums=(3,))
-def _sample_constrained(logits, key, step, params: SamplingParams, ban, only_tags, tag_ids):
-  tag_logits = jnp.where(ban, -jnp.inf, logits[:, tag_ids])
-  logits = jnp.where(only_tags[:, None], -jnp.inf, logits).at[:, tag_ids].set(tag_logits)
-  return _sample_padded(logits, key, step, params)
-
-
-def sample_rows(logits: jax.Array, rows: Sequence[int], key: jax.Array, step: int,
-                params: SamplingParams, constraint: tuple | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
-  """Sample one token from each of ``logits[rows]`` with :func:`~selforch_jax.decoding.sampling.
-  sample_token` (key ``fold_in(key, step)``), rows padded to a power of two so few shapes compile.
-
-  Args:
-    logits: float32 ``[T, V]`` device array. rows: R row indices. key: PRNG key.
-    step: the scheduler's step counter. params: :class:`SamplingParams`.
-    constraint: None, or ``(tag_ids int[G], ban bool[R, G], only_tags bool[R])``: row r may not
-      sample ``tag_ids[g]`` where ``ban[r, g]``, and samples only among ``tag_ids`` where
-      ``only_tags[r]`` (the logits of excluded tokens are set to -inf before sampling, so
-      log-probs are those of the constrained distribution).
-
-  Returns:
-    ``(tokens int32[R], logprobs float32[R])`` (natural log) as numpy arrays.
-  """
-  rows = np.asarray(rows, np.int32)
-  R = rows.size
-  pad = bucket_size(R) - R
-  padded = np.concatenate([rows, np.full(pad, rows[0], np.int32)])
-  sub = jnp.take(logits, padded, axis=0)
-  if constraint is None:
-    tok, lp = jax.device_get(_sample_padded(sub, key, step, params))
-  else:
-    tag_ids, ban, only = constraint
-    ban = np.concatenate([np.asarray(ban, bool), np.zeros((pad, len(tag_ids)), bool)])
-    only = np.concatenate([np.asarray(only, bool), np.zeros(pad, bool)])
-    tok, lp = jax.device_get(_sample_constrained(sub, key, step, params, ban, only,
-                                                 np.asarray(tag_ids, np.int32)))
-  return np.asarray(tok[:R]), np.asarray(lp[:R])
 
 
 def constraint_ids(tv: TagVocab, stop_ids: Sequence[int] = (),
@@ -688,3 +640,13 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], tag_vocab: TagVoc
     for o in sched.owners:
       engine.pool.free_owner(int(o))
   return sched
+
+
+@register("pasta")
+def _pasta(engine: Engine, prompts: Sequence[Sequence[int]], **kw) -> Scheduler:
+  """PASTA parallel-thread decoding (:class:`~selforch_jax.runtime.schedulers.pasta.PASTAScheduler`);
+  ``kw``: ``tag_vocab`` (required), ``max_new_tokens``, ``sampling``, ``stop_ids``, ``cap``,
+  ``length_unit``. ``results[i].token_ids`` are canonical (threads in promise order)."""
+  owner_base, segment_base = fresh_bases(engine)
+  tv = kw.pop("tag_vocab")
+  return PASTAScheduler(prompts, tv, owner_base=owner_base, segment_base=segment_base, **kw)
