@@ -62,16 +62,62 @@ def _jitted_step(graphdef, state, cache, tokens, positions, write_slots, mask):
   return logits[0], cache
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _jitted_step_attn_mass(graphdef, state, cache, tokens, positions, write_slots, mask):
-  """:func:`_jitted_step` that also returns float32 ``[S]``: the attention mass each slot got
-  in this step, summed over layers, heads and queries (H2O's accumulated attention; 0 past the
-  key window)."""
+PLAIN_KEY = ("base", ("logits",), ("none",), 16)  # spec_key of the plain step
+
+
+def spec_key(spec: ForwardSpec) -> tuple:
+  """The static part of ``spec`` the jitted step compiles on: ``(view, sorted outputs,
+  parsed sparsity, act_bits)`` (the arrays' presence and ranks are part of the pytree)."""
+  return (spec.view, tuple(sorted(spec.outputs)), parse_sparsity(spec.sparsity),
+          int(spec.act_bits))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _jitted_spec_step(graphdef, key, state, cache, tokens, positions, write_slots, mask, extras):
+  """The engine step under a :class:`~selforch_jax.runtime.step.ForwardSpec` (``key`` =
+  :func:`spec_key`; ``extras``: dict of the step's arrays ``mlp_keep [D] | [Tb, D]``,
+  ``keep_frac [Tb]``, ``key_order [W]``, absent when off).
+
+  Returns ``(outputs, cache)`` with ``outputs`` a dict of the asked ``logits [Tb, V]``,
+  ``hidden [Tb, D]``, ``attn_mass [S]`` (float32, 0 past the key window); with ``key ==
+  PLAIN_KEY`` and no arrays it returns ``(logits, cache)`` and is :func:`_jitted_step`'s
+  program (the HLO text is the same but for the module name)."""
   model = nnx.merge(graphdef, state)
-  W = mask.shape[1]
-  logits, cache, mass = model(tokens[None], positions[None], mask[None], cache,
-                              write_slots=write_slots[None], return_attn_mass=True, key_len=W)
-  return logits[0], cache, jnp.pad(mass[0], (0, cache.max_len - W))
+  view, outputs, sparsity, act_bits = key
+  kw = {}
+  if view != "base":
+    kw["view"] = view
+  if act_bits != 16:
+    kw["act_bits"] = act_bits
+  if sparsity[0] != "none":
+    kw["sparsity"] = sparsity
+    kw["keep_frac"] = extras["keep_frac"][None]
+    if "key_order" in extras:
+      kw["key_order"] = extras["key_order"][None]
+  if "mlp_keep" in extras:
+    mk = extras["mlp_keep"]
+    kw["mlp_keep"] = mk if mk.ndim == 1 else mk[None]
+  want_mass, want_hidden = "attn_mass" in outputs, "hidden" in outputs
+  if isinstance(mask, PagedAttentionMask):
+    m, kl, W = mask, {}, cache.max_len
+  else:
+    m, kl, W = mask[None], dict(key_len=mask.shape[1]), mask.shape[1]
+  res = model(tokens[None], positions[None], m, cache, write_slots=write_slots[None],
+              return_hidden=want_hidden or "logits" not in outputs, return_attn_mass=want_mass,
+              **kl, **kw)
+  first, cache = res[0], res[1]
+  if key == PLAIN_KEY and not extras:
+    return first[0], cache
+  out = {}
+  if want_hidden:
+    out["hidden"] = first[0]
+    if "logits" in outputs:
+      out["logits"] = model.logits_from_hidden(first)[0]
+  elif "logits" in outputs:
+    out["logits"] = first[0]
+  if want_mass:
+    out["attn_mass"] = jnp.pad(res[2][0], (0, cache.max_len - W))
+  return out, cache
 
 
 def bucket_size(n: int) -> int:
@@ -278,7 +324,7 @@ class Engine:
     return slots
 
   def run_step(self, tokens, positions, segments, owners, visible, bidir, *,
-               orders=None, key_keep=None) -> tuple[jax.Array, np.ndarray]:
+               orders=None, key_keep=None, write_slots=None) -> tuple[jax.Array, np.ndarray]:
     """Allocate, record, mask and run one step (the scheduler-facing step).
 
     Args:
@@ -290,13 +336,18 @@ class Engine:
       orders: optional int ``[T]`` decode indices (causal order inside a segment); default
         the engine's running counter, in query order.
       key_keep: optional bool ``[S]``: keys hidden for this step only.
+      write_slots: optional int ``[T]``: rewrite in place (diffusion re-denoising, DESIGN.md
+        §2.5): query t writes its K/V into this slot, which its owner already holds ALIVE,
+        instead of a newly allocated one. Nothing is allocated; the slots' position, segment
+        and order are re-recorded (:meth:`KVPool.rewrite`; put back if the step fails).
 
     Returns:
       ``(logits [T, V] float32 device array, slots int32 [T])``.
 
     Raises:
       PoolExhausted: not enough free pages (nothing changed; evict and retry).
-      ValueError: malformed inputs (see :meth:`step`, :func:`step_mask`).
+      ValueError: malformed inputs (see :meth:`step`, :func:`step_mask`); ``write_slots`` not
+        ``[T]``, repeated, or not held ALIVE by the query's owner (:meth:`KVPool.rewrite`).
     """
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     T = tokens.shape[0]
@@ -309,9 +360,17 @@ class Engine:
     orders = np.asarray(orders, np.int64).reshape(-1)
     if segments.shape != (T,) or orders.shape != (T,):
       raise ValueError(f"run_step: segments {segments.shape} / orders {orders.shape} != [{T}]")
-    slots = self.allocate(owners)
+    in_place = write_slots is not None
+    if in_place:
+      slots = np.asarray(write_slots, np.int32).reshape(-1)
+      if slots.shape != (T,):
+        raise ValueError(f"run_step: write_slots {slots.shape} != [{T}]")
+      before = self.pool.rewrite(slots, owners, positions, segments, orders)
+    else:
+      slots = self.allocate(owners)
     try:
-      self.pool.write(slots, positions, segments, orders)
+      if not in_place:
+        self.pool.write(slots, positions, segments, orders)
       if self.attention == "paged":
         mask = build_paged_mask(self.pool, segments, orders, visible, bidir,
                                 num_queries=bucket_size(T), key_keep=key_keep,
@@ -320,8 +379,11 @@ class Engine:
         mask = step_mask(self.pool, segments, orders, visible, bidir, key_keep)
       logits = self.step(tokens, positions, slots, mask)
     except Exception:
-      for o in np.unique(owners)[::-1]:
-        self.pool.rollback(int(o), int(np.count_nonzero(owners == o)))
+      if in_place:
+        self.pool.restore_metadata(slots, before)
+      else:
+        for o in np.unique(owners)[::-1]:
+          self.pool.rollback(int(o), int(np.count_nonzero(owners == o)))
       raise
     self.next_order = max(self.next_order, int(orders.max()) + 1)
     return logits, slots

@@ -24,6 +24,20 @@ returns to FREE as a whole (:meth:`KVPool.free_pages`, :meth:`KVPool.free_owner`
 eviction leaves it without live slots). :meth:`KVPool.rollback` un-reserves/un-writes the
 newest slots of an owner (crop after a rejected speculative draft).
 
+**Sequences and relabel** (DESIGN.md §2.5). Each owner also has a *sequence*: the slots it
+holds (per-slot ``owner``), in the order they became its own (allocation order, then
+relabels). :meth:`KVPool.rollback` crops the newest of them. :meth:`KVPool.relabel` makes
+kept slots of a tree / verify step (held by a scratch owner) the newest slots of a sequence
+without copying K/V, at page granularity by **page transfer**: every page holding a relabeled
+slot moves whole into the target's page table (inserted before the target's page being
+filled, so ``page_table(o)[-1]`` stays the page new slots go to). Other slots on a moved page
+stay their owner's (*foreign* slots): they still die by :meth:`KVPool.evict` / rollback /
+:meth:`KVPool.free_owner` of their own owner (which turns them into FREE *holes* that are not
+reused until the page is released), and a moved page returns to the free list by the usual
+rule (no ALIVE or RESERVED slot left). Freeing the page's holder while a foreign slot on it is
+still ALIVE/RESERVED hands the page to that slot's owner instead of releasing it, so no live
+slot is ever freed under its owner.
+
 Exhaustion is never a silent overwrite: :meth:`KVPool.allocate` raises
 :class:`PoolExhausted` *before* changing anything, so the caller may evict and retry.
 """
@@ -96,6 +110,8 @@ class KVPool:
     self._free: list[int] = list(range(self.num_pages))  # a min-heap of free pages
     self._tables: dict[int, list[int]] = {}
     self._fill: dict[int, int] = {}  # owner -> slots used in its last page (0..P)
+    # owner -> its non-FREE slots in sequence order (a dict used as an ordered set)
+    self._seq: dict[int, dict[int, None]] = {}
     self.peak_live_tokens = 0
     self.peak_used_pages = 0
 
@@ -150,6 +166,11 @@ class KVPool:
   def page_table(self, owner: int) -> np.ndarray:
     """int32 ``[n_pages]``: the pages of ``owner`` in allocation order (empty if none)."""
     return np.asarray(self._tables.get(owner, []), np.int32)
+
+  def sequence(self, owner: int) -> np.ndarray:
+    """int32 ``[n]``: the slots ``owner`` holds (any state but FREE) in sequence order (the
+    order they were allocated to it or relabeled into it; :meth:`rollback` crops from the end)."""
+    return np.fromiter(self._seq.get(owner, {}), np.int32)
 
   def slots_of(self, owner: int, states: Sequence[int] = (ALIVE,)) -> np.ndarray:
     """int32 slots of ``owner`` in the given states, in slot-index order."""
@@ -213,6 +234,7 @@ class KVPool:
       i += take
     self.state[out] = RESERVED
     self.owner[out] = owner
+    self._seq.setdefault(owner, {}).update(dict.fromkeys(out.tolist()))
     self.peak_used_pages = max(self.peak_used_pages, self.used_pages)
     return out
 
@@ -243,10 +265,106 @@ class KVPool:
     self.state[slots] = ALIVE
     self.peak_live_tokens = max(self.peak_live_tokens, self.live_tokens)
 
+  def rewrite(self, slots, owners, positions, segments, orders) -> tuple:
+    """Re-record the metadata of ALIVE slots a step writes new K/V into in place (diffusion
+    re-denoising the same positions, DESIGN.md §2.5): no allocation, the slots keep their
+    place in their owner's sequence.
+
+    Args:
+      slots: int ``[T]`` distinct slots, each ALIVE and held by ``owners[t]``.
+      owners: int ``[T]`` (or one int). positions, segments (>= 0), orders: int ``[T]``.
+
+    Returns:
+      ``(position, segment, order)`` of the slots before the call (numpy copies), so a
+      caller whose step then fails can put them back with :meth:`restore_metadata`.
+
+    Raises:
+      ValueError: shapes differ, a slot is out of range or repeated, not ALIVE, or held by
+        another owner; a negative segment. Nothing is changed then.
+    """
+    slots = np.asarray(slots, np.int64).reshape(-1)
+    owners = np.broadcast_to(np.asarray(owners, np.int64), slots.shape)
+    positions, segments, orders = (np.asarray(a).reshape(-1) for a in (positions, segments, orders))
+    if not (slots.shape == positions.shape == segments.shape == orders.shape):
+      raise ValueError(f"rewrite: shapes differ: write_slots {slots.shape}, positions "
+                       f"{positions.shape}, segments {segments.shape}, orders {orders.shape}")
+    if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
+      raise ValueError(f"rewrite: write_slots must be in [0, {self.num_slots})")
+    if np.unique(slots).size != slots.size:
+      raise ValueError(f"rewrite: write_slots repeat a slot: {slots.tolist()[:8]}")
+    bad = np.flatnonzero((self.state[slots] != ALIVE) | (self.owner[slots] != owners))
+    if bad.size:
+      t = int(bad[0])
+      raise ValueError(
+          f"rewrite: write_slots[{t}] = slot {int(slots[t])} is not held ALIVE by the query's "
+          f"owner {int(owners[t])} (it is {STATE_NAMES[int(self.state[slots[t]])]}, owner "
+          f"{int(self.owner[slots[t]])}); rewrite in place only writes slots the owner already "
+          f"holds ({bad.size} bad slot(s))")
+    if segments.size and segments.min() < 0:
+      raise ValueError("rewrite: segment ids must be >= 0")
+    before = (self.position[slots].copy(), self.segment[slots].copy(), self.order[slots].copy())
+    self.position[slots] = positions
+    self.segment[slots] = segments
+    self.order[slots] = orders
+    return before
+
+  def restore_metadata(self, slots, before) -> None:
+    """Put back ``(position, segment, order)`` of ``slots`` as :meth:`rewrite` returned them."""
+    slots = np.asarray(slots, np.int64).reshape(-1)
+    self.position[slots], self.segment[slots], self.order[slots] = before
+
   # --- release ------------------------------------------------------------------------------
+  def _clear_slots(self, slots) -> None:
+    """Slots become FREE (owner and metadata unset) and leave their owners' sequences."""
+    for slot in np.asarray(slots, np.int64).reshape(-1).tolist():
+      o = int(self.owner[slot])
+      if o >= 0:
+        self._seq[o].pop(slot, None)
+    self.state[slots] = FREE
+    self.owner[slots] = -1
+    self.position[slots] = self.segment[slots] = self.order[slots] = -1
+
+  def _filling(self, page: int) -> bool:
+    """Whether ``page`` is its holder's last page and still being filled."""
+    owner = int(self.page_owner[page])
+    table = self._tables.get(owner, [])
+    return bool(table) and table[-1] == page and self._fill[owner] < self.page_size
+
+  def _maybe_release(self, pages) -> list[int]:
+    """Release every page of ``pages`` with no ALIVE/RESERVED slot that is not being filled."""
+    released = []
+    for page in sorted({int(p) for p in pages}):
+      if self.page_owner[page] < 0:
+        continue
+      st = self.state[page * self.page_size:(page + 1) * self.page_size]
+      if np.any((st == ALIVE) | (st == RESERVED)) or self._filling(page):
+        continue
+      self._release_page(page)
+      released.append(page)
+    return released
+
+  def _transfer(self, page: int, to: int) -> None:
+    """Move ``page`` from its holder's page table into ``to``'s, before ``to``'s last page
+    (the one being filled); a table that gets its first page this way counts it as full."""
+    frm = int(self.page_owner[page])
+    table = self._tables[frm]
+    if table[-1] == page:  # the holder's next allocation starts a fresh page
+      self._fill[frm] = self.page_size
+    table.remove(page)
+    dest = self._tables.setdefault(to, [])
+    if dest:
+      dest.insert(len(dest) - 1, page)
+    else:
+      dest.append(page)
+      self._fill[to] = self.page_size
+    self._seq.setdefault(to, {})
+    self.page_owner[page] = to
+
   def _release_page(self, page: int) -> None:
     owner = int(self.page_owner[page])
     sl = slice(page * self.page_size, (page + 1) * self.page_size)
+    for slot in np.flatnonzero(self.state[sl] != FREE) + page * self.page_size:
+      self._seq[int(self.owner[slot])].pop(int(slot), None)
     self.state[sl] = FREE
     self.owner[sl] = -1
     self.position[sl] = -1
@@ -275,11 +393,31 @@ class KVPool:
       self._release_page(p)
 
   def free_owner(self, owner: int) -> None:
-    """Release every page of ``owner`` (a finished sequence or thread); no-op if it has none."""
+    """Release every page and slot of ``owner`` (a finished sequence or thread); no-op if it
+    has none.
+
+    Its pages return to the free list, except a page that still holds another owner's ALIVE
+    or RESERVED slot (a relabeled page, see the module docstring): that page goes to that
+    owner and only ``owner``'s slots on it become FREE holes. ``owner``'s slots on other
+    owners' pages become FREE holes too (their pages are released if nothing live is left).
+    """
+    P = self.page_size
     for p in list(self._tables.get(owner, [])):
-      self._release_page(p)
+      sl = slice(p * P, (p + 1) * P)
+      live_foreign = np.flatnonzero(((self.state[sl] == ALIVE) | (self.state[sl] == RESERVED))
+                                    & (self.owner[sl] != owner))
+      if live_foreign.size:
+        mine = np.flatnonzero(self.owner[sl] == owner) + p * P
+        self._clear_slots(mine)
+        self._transfer(p, int(self.owner[p * P + live_foreign[0]]))
+      else:
+        self._release_page(p)
+    rest = self.sequence(owner)
+    self._clear_slots(rest)
     self._tables.pop(owner, None)
     self._fill.pop(owner, None)
+    self._seq.pop(owner, None)
+    self._maybe_release(rest // P)
 
   def evict(self, slots) -> list[int]:
     """Kill slots: ALIVE (or RESERVED) -> DEAD; they are never attended to again.
@@ -306,51 +444,82 @@ class KVPool:
     if free.size:
       raise ValueError(f"evict: slots {free.tolist()[:8]} are FREE (not allocated)")
     self.state[slots] = DEAD
-    released = []
-    for page in np.unique(slots // self.page_size):
-      page = int(page)
-      st = self.state[page * self.page_size:(page + 1) * self.page_size]
-      if np.any((st == ALIVE) | (st == RESERVED)):
-        continue
-      owner = int(self.page_owner[page])
-      table = self._tables.get(owner, [])
-      if table and table[-1] == page and self._fill[owner] < self.page_size:
-        continue  # the owner is still filling this page
-      self._release_page(page)
-      released.append(page)
-    return released
+    return self._maybe_release(slots // self.page_size)
 
   def rollback(self, owner: int, n_tokens: int) -> np.ndarray:
-    """Undo the newest ``n_tokens`` allocations of ``owner`` (crop rejected draft tokens).
+    """Undo the newest ``n_tokens`` slots of ``owner``'s sequence (crop rejected draft tokens),
+    whatever their state (allocated, written, evicted, or relabeled into it).
 
-    The slots become FREE again (the next :meth:`allocate` of this owner reuses them);
-    pages left empty return to the free list.
+    The slots become FREE. Those at the end of the owner's page being filled are reused by
+    its next :meth:`allocate`; others (relabeled slots on moved pages) are holes until their
+    page is released. Pages left without ALIVE/RESERVED slots return to the free list.
 
     Returns:
-      int32 the slots released, newest last.
+      int32 the slots released, in sequence order (newest last).
 
     Raises:
-      ValueError: ``n_tokens`` exceeds the owner's allocated slots.
+      ValueError: ``n_tokens`` exceeds the owner's sequence length.
     """
+    seq = self._seq.get(owner, {})
+    if not 0 <= n_tokens <= len(seq):
+      raise ValueError(f"rollback: owner {owner} has {len(seq)} allocated slots, asked {n_tokens}")
+    out = [seq.popitem()[0] for _ in range(n_tokens)][::-1]  # dict.popitem is LIFO
+    self._clear_slots(out)
+    P = self.page_size
     table = self._tables.get(owner, [])
-    total = (len(table) - 1) * self.page_size + self._fill[owner] if table else 0
-    if not 0 <= n_tokens <= total:
-      raise ValueError(f"rollback: owner {owner} has {total} allocated slots, asked {n_tokens}")
-    out = []
-    for _ in range(n_tokens):
-      page = table[-1]
+    # the page being filled: its FREE tail is reusable; an emptied page goes back
+    while table and self._fill[owner] > 0 and \
+        self.state[table[-1] * P + self._fill[owner] - 1] == FREE:
       self._fill[owner] -= 1
-      slot = page * self.page_size + self._fill[owner]
-      out.append(slot)
-      self.state[slot] = FREE
-      self.owner[slot] = -1
-      self.position[slot] = self.segment[slot] = self.order[slot] = -1
-      if self._fill[owner] == 0:
-        table.pop()
+      if self._fill[owner] == 0:  # every slot of the page is FREE now
+        page = table.pop()
         self.page_owner[page] = -1
         heapq.heappush(self._free, page)
-        self._fill[owner] = self.page_size
-    return np.asarray(out[::-1], np.int32)
+        self._fill[owner] = P
+    self._maybe_release(np.asarray(out, np.int64) // P)
+    return np.asarray(out, np.int32)
+
+  def relabel(self, slots, owner: int, segment: int) -> None:
+    """Make ALIVE ``slots`` (of any owner, e.g. a tree step's scratch owner) the newest slots
+    of ``owner``'s sequence, in segment ``segment``, without copying K/V (DESIGN.md §2.5).
+
+    Positions and orders are kept (a tree node's RoPE position is its depth, already right for
+    the accepted path). Every page holding one of ``slots`` moves into ``owner``'s page table
+    (see the module docstring); the other slots of the source step keep their owner and may
+    be evicted / rolled back / freed afterwards as usual. Live-KV counts do not change.
+
+    Args:
+      slots: int ``[n]`` distinct ALIVE slots, in sequence order (e.g. root-to-leaf).
+      owner: int >= 0, the sequence they join (may be new, or their current owner).
+      segment: int >= 0, their new segment id.
+
+    Raises:
+      ValueError: a slot out of range, repeated, or not ALIVE (FREE, RESERVED or DEAD); a
+        negative owner or segment. Nothing is changed then.
+    """
+    slots = np.asarray(slots, np.int64).reshape(-1)
+    if owner < 0 or segment < 0:
+      raise ValueError(f"relabel: owner and segment must be >= 0, got {owner}, {segment}")
+    if slots.size == 0:
+      return
+    if slots.min() < 0 or slots.max() >= self.num_slots:
+      raise ValueError(f"relabel: slots must be in [0, {self.num_slots})")
+    if np.unique(slots).size != slots.size:
+      raise ValueError(f"relabel: repeated slots in {slots.tolist()[:8]}")
+    bad = slots[self.state[slots] != ALIVE]
+    if bad.size:
+      raise ValueError(f"relabel: slots {bad.tolist()[:8]} are not ALIVE (states "
+                       f"{[STATE_NAMES[int(s)] for s in self.state[bad][:8]]}); only written, "
+                       f"live slots can join a sequence")
+    seq = self._seq.setdefault(owner, {})
+    for slot in slots.tolist():
+      self._seq[int(self.owner[slot])].pop(slot)
+      seq[slot] = None
+    self.owner[slots] = owner
+    self.segment[slots] = segment
+    for page in dict.fromkeys((slots // self.page_size).tolist()):
+      if self.page_owner[page] != owner:
+        self._transfer(page, owner)
 
   def check_invariants(self) -> None:
     """Assert the bookkeeping is consistent (tests and fuzzing call this).
@@ -372,4 +541,12 @@ class KVPool:
       assert self.page_owner[p] == -1 and np.all(self.state[p * P:(p + 1) * P] == FREE)
     used = self.state != FREE
     assert np.all(self.owner[used] >= 0) and np.all(self.owner[~used] == -1)
+    seqd = [s for q in self._seq.values() for s in q]
+    assert len(seqd) == len(set(seqd)) == int(np.count_nonzero(used)), "sequence/slot mismatch"
+    for o, q in self._seq.items():
+      assert all(self.owner[s] == o for s in q), f"owner {o}'s sequence holds a foreign slot"
+    for o, t in self._tables.items():
+      if t and self._fill[o] < P:
+        assert np.all(self.state[t[-1] * P + self._fill[o]:(t[-1] + 1) * P] == FREE), \
+            f"owner {o}: slots past the fill of its last page are in use"
     assert self.live_tokens >= 0 and self.live_tokens <= self.num_slots

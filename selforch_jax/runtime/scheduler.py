@@ -61,13 +61,26 @@ class Scheduler(abc.ABC):
 
 
 def execute(engine: Engine, plan: StepPlan) -> StepResult:
-  """Apply ``plan``'s pool changes (free, rollback, evict, in that order), then run its step.
+  """Apply ``plan``'s pool changes (relabel, free, rollback, evict, in that order), then run
+  its step.
+
+  Relabel comes first: the kept slots of a tree / verify step leave their scratch owner
+  (:meth:`~selforch_jax.runtime.kv_pool.KVPool.relabel`), so the same plan's ``free_owners`` /
+  ``rollback`` / ``evict`` of that owner drop the rest of the tree without touching them, and a
+  ``rollback`` of the target owner in the same plan counts them as its newest slots. With
+  ``write_slots`` the step rewrites those held slots in place (nothing is allocated).
 
   Raises:
     PoolExhausted: the step's slots do not fit (the pool changes before it were applied).
-    ValueError: malformed plan (see :meth:`Engine.run_step`).
+    ValueError: malformed plan (see :meth:`Engine.run_step`, ``KVPool.relabel``); a scratch
+      step with ``write_slots`` (a rewrite in place cannot be released).
   """
   pool = engine.pool
+  if plan.scratch and plan.write_slots is not None:
+    raise ValueError("execute: a scratch step cannot rewrite in place (write_slots): its K/V "
+                     "would overwrite held slots that scratch then cannot give back")
+  for slots, owner, segment in plan.relabel:
+    pool.relabel(slots, int(owner), int(segment))
   for o in plan.free_owners:
     pool.free_owner(int(o))
   for o, n in plan.rollback.items():
@@ -75,7 +88,7 @@ def execute(engine: Engine, plan: StepPlan) -> StepResult:
   released = pool.evict(plan.evict) if len(plan.evict) else []
   logits, slots = engine.run_step(plan.tokens, plan.positions, plan.segments, plan.owners,
                                   plan.visible, plan.bidir, orders=plan.orders,
-                                  key_keep=plan.key_keep)
+                                  key_keep=plan.key_keep, write_slots=plan.write_slots)
   if plan.scratch:
     owners = np.broadcast_to(np.asarray(plan.owners, np.int64), slots.shape)
     for o in np.unique(owners)[::-1]:
