@@ -98,19 +98,21 @@ class Assembler:
 
 
 def assemble(token_ids: Sequence[int], tag_vocab: TagVocab, *, keep_topics: bool = False,
-             cap: int | None = DEFAULT_CAP, length_unit: int = TOKENS_PER_UNIT) -> list[int]:
+             cap: int | None = DEFAULT_CAP, length_unit: int = TOKENS_PER_UNIT,
+             token_bytes: Any = None) -> list[int]:
   """Final token ids of an annotated sequence (canonical training layout, sequence mode).
 
   Args:
     token_ids: 1-D int sequence (any ints; never raises).
     tag_vocab: the vocabulary's tags.
     keep_topics: keep the topic/length tokens of promises that got a chunk.
-    cap, length_unit: parser settings (:class:`~selforch_jax.lang.parser.StreamParser`).
+    cap, length_unit, token_bytes: parser settings (:class:`~selforch_jax.lang.parser.StreamParser`;
+      ``token_bytes`` keeps a capped chunk from ending inside a multi-byte character).
 
   Returns:
     list[int] in logical order (see the module docstring).
   """
-  parser = StreamParser(tag_vocab, cap=cap, length_unit=length_unit)
+  parser = StreamParser(tag_vocab, cap=cap, length_unit=length_unit, token_bytes=token_bytes)
   asm = Assembler(keep_topics=keep_topics)
   for t in token_ids:
     asm.add(parser.feed(int(t)))
@@ -121,6 +123,8 @@ def assemble(token_ids: Sequence[int], tag_vocab: TagVocab, *, keep_topics: bool
 def assemble_text(token_ids: Sequence[int], tag_vocab: TagVocab, tokenizer: Any, *,
                   skip_special_tokens: bool = False, **kwargs: Any) -> str:
   """:func:`assemble`, decoded with ``tokenizer.decode`` (tags that degraded to text are written
-  as their text unless ``skip_special_tokens``). ``kwargs`` go to :func:`assemble`."""
+  as their text unless ``skip_special_tokens``). ``kwargs`` go to :func:`assemble`; ``token_bytes``
+  defaults to ``tokenizer.token_bytes`` (a cap never splits a character)."""
+  kwargs.setdefault("token_bytes", getattr(tokenizer, "token_bytes", None))
   return tokenizer.decode(assemble(token_ids, tag_vocab, **kwargs),
                           skip_special_tokens=skip_special_tokens)

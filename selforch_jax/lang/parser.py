@@ -38,7 +38,10 @@ with a rule of :data:`~selforch_jax.lang.events.DEGRADE_RULES`):
 * inside a chunk, ``<promise>``, ``</promise>``, ``<async>`` (nested) and ``<sync/>`` are chunk text
   (only ``</async>``, the cap, EOS or the end close a chunk);
 * a chunk reaching ``max(2·10·N, cap)`` tokens after its ``<async>`` (its ``</async>`` counted) is
-  closed (forced) right after that token;
+  closed (forced) right after that token -- or, when the parser knows the tokens' bytes
+  (``token_bytes``) and that token ends inside a multi-byte UTF-8 character, right after the token
+  that completes the character (at most :data:`MAX_CHAR_OVERRUN` more tokens), so that a cap never
+  splits one character between a chunk and the main thread;
 * a main-thread token after the chunks of a round other than ``<async>``/``<sync/>``/EOS joins the
   round first (implicit join, forced :class:`Sync`);
 * EOS (or ``finish()``) abandons an open promise, closes open chunks and joins (forced), then the
@@ -47,15 +50,49 @@ with a rule of :data:`~selforch_jax.lang.events.DEGRADE_RULES`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from selforch_jax.lang.events import (
   MAIN, AsyncClosed, AsyncOpened, Degraded, EndOfText, Event, Fill, PlanEnded, PromiseAbandoned,
   PromiseClosed, PromiseOpened, RegisterUse, Sync, Text,
 )
 from selforch_jax.lang.tags import TOKENS_PER_UNIT, TagVocab
 
-__all__ = ["StreamParser", "parse", "DEFAULT_CAP"]
+__all__ = ["StreamParser", "parse", "DEFAULT_CAP", "MAX_CHAR_OVERRUN", "utf8_pending"]
 
 DEFAULT_CAP = 256  # floor of a chunk's token budget: max(2*10*N, cap) (DESIGN.md §3)
+# Tokens a capped chunk may run past its budget to finish a multi-byte character (a UTF-8
+# character has at most 4 bytes, so 3 byte tokens; the rest covers tokens that end a character
+# and start another).
+MAX_CHAR_OVERRUN = 8
+
+
+def utf8_pending(pending: int, data: bytes) -> int:
+  """Continuation bytes still owed after reading ``data``, given ``pending`` owed before.
+
+  A UTF-8 decoder's state in one int: 0 = at a character boundary. A byte that is not the
+  continuation byte owed starts a new character (an invalid sequence is dropped, like a
+  decoder with ``errors='replace'`` does).
+
+  Args:
+    pending: 0..3, continuation bytes owed before ``data``.
+    data: the next bytes.
+
+  Returns:
+    int: 0..3.
+  """
+  for b in data:
+    if pending and 0x80 <= b < 0xC0:
+      pending -= 1
+    elif 0xC2 <= b < 0xE0:
+      pending = 1
+    elif 0xE0 <= b < 0xF0:
+      pending = 2
+    elif 0xF0 <= b < 0xF5:
+      pending = 3
+    else:  # ASCII, a stray continuation byte or an invalid lead byte
+      pending = 0
+  return pending
 
 
 class _Registers:
@@ -83,6 +120,7 @@ class _Chunk:
   def __init__(self, limit: int | None):
     self.limit = limit
     self.count = 0
+    self.pending = 0  # UTF-8 continuation bytes owed by the chunk's text (utf8_pending)
     self.open = True
     self.regs = _Registers()
 
@@ -116,13 +154,17 @@ class StreamParser:
     cap: floor of a chunk's budget ``max(2*length_unit*N, cap)`` in tokens after its ``<async>``;
       None = unlimited.
     length_unit: tokens per unit of a promise length N (10 in DESIGN.md §3).
+    token_bytes: optional ``token_id -> bytes`` (e.g. ``Tokenizer.token_bytes``); with it a capped
+      chunk closes only at a character boundary (see the module docstring). An id it rejects
+      (any exception) counts as a character boundary.
 
   Raises:
     ValueError: ``cap`` < 1 or ``length_unit`` < 1 (construction only; feeding never raises).
   """
 
   def __init__(self, tag_vocab: TagVocab, *, cap: int | None = DEFAULT_CAP,
-               length_unit: int = TOKENS_PER_UNIT):
+               length_unit: int = TOKENS_PER_UNIT,
+               token_bytes: Callable[[int], bytes] | None = None):
     if cap is not None and cap < 1:
       raise ValueError(f"cap must be >= 1 or None, got {cap}")
     if length_unit < 1:
@@ -130,6 +172,7 @@ class StreamParser:
     self.tag_vocab = tag_vocab
     self.cap = cap
     self.length_unit = int(length_unit)
+    self.token_bytes = token_bytes
     self._fed = 0
     self._rounds_started = 0
     self._promise: _OpenPromise | None = None
@@ -338,7 +381,15 @@ class StreamParser:
         ev.append(Degraded(rule="tag_in_chunk", at=i))
       c.regs.add(i)
       ev.append(Text(index=i, stream=k, token_id=tok))
-    if c.limit is not None and c.count >= c.limit:
+    if c.limit is None:
+      return
+    if self.token_bytes is not None:
+      try:
+        data = self.token_bytes(tok)
+      except Exception:  # noqa: BLE001 - never raise while feeding
+        data = b""
+      c.pending = utf8_pending(c.pending, data)
+    if c.count >= c.limit and (c.pending == 0 or c.count >= c.limit + MAX_CHAR_OVERRUN):
       self._force_close(k, ev, "chunk_cap", i)
 
   def _force_close(self, k: int, ev: list[Event], rule: str, at: int | None) -> None:
@@ -404,17 +455,18 @@ class StreamParser:
 
 
 def parse(token_ids, tag_vocab: TagVocab, *, cap: int | None = DEFAULT_CAP,
-          length_unit: int = TOKENS_PER_UNIT) -> list[Event]:
+          length_unit: int = TOKENS_PER_UNIT,
+          token_bytes: Callable[[int], bytes] | None = None) -> list[Event]:
   """All events of a token sequence in sequence mode, ``finish()`` included.
 
   Args:
     token_ids: 1-D int sequence.
-    tag_vocab, cap, length_unit: as for :class:`StreamParser`.
+    tag_vocab, cap, length_unit, token_bytes: as for :class:`StreamParser`.
 
   Returns:
     list of events (never raises on any int sequence).
   """
-  p = StreamParser(tag_vocab, cap=cap, length_unit=length_unit)
+  p = StreamParser(tag_vocab, cap=cap, length_unit=length_unit, token_bytes=token_bytes)
   out: list[Event] = []
   for t in token_ids:
     out.extend(p.feed(int(t)))

@@ -112,6 +112,21 @@ class Tokenizer(abc.ABC):
       ValueError: a token is empty or not a string.
     """
 
+  def token_bytes(self, token_id: int) -> bytes:
+    """The bytes a token contributes to the decoded text (before UTF-8 decoding).
+
+    A byte-level BPE token or a ``<0xXX>`` byte-fallback token may hold part of a multi-byte
+    character (``'𝔘'`` is three tokens in SmolLM2); the parser's chunk cap uses this to close a
+    chunk only between characters. Special tokens give their text's UTF-8 bytes. This default
+    encodes ``decode([token_id])`` (exact for tokens that hold whole characters); the backends
+    override it.
+
+    Raises:
+      IndexError: ``token_id`` is not in ``[0, vocab_size)``.
+    """
+    self.id_to_token(token_id)  # range check
+    return self.decode([int(token_id)]).encode("utf-8", "surrogatepass")
+
   @property
   @abc.abstractmethod
   def special_ids(self) -> frozenset[int]:

@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import tokenizers as hf_tokenizers
-from tokenizers import AddedToken, processors
+from tokenizers import AddedToken, decoders, processors
 
 from selforch_jax.tokenizers.base import Tokenizer, _check_new_tokens
 
 __all__ = ["HFTokenizer", "load_hf_dir"]
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback piece
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_bytes() -> dict[str, int]:
+  """Inverse of GPT-2's byte -> printable character table (byte-level BPE vocabularies)."""
+  from selforch_jax.tokenizers.gguf import _bytes_to_unicode  # noqa: PLC0415 - import cycle
+
+  return {ch: b for b, ch in _bytes_to_unicode().items()}
+
+
+def _has_byte_level_decoder(backend: hf_tokenizers.Tokenizer) -> bool:
+  """Whether the decoder maps tokens through GPT-2's byte table (alone or in a Sequence)."""
+  dec = backend.decoder
+  return isinstance(dec, decoders.ByteLevel) or (dec is not None and "ByteLevel(" in repr(dec))
 
 
 class HFTokenizer(Tokenizer):
@@ -59,6 +77,19 @@ class HFTokenizer(Tokenizer):
   @property
   def special_ids(self) -> frozenset[int]:  # noqa: D102
     return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+  def token_bytes(self, token_id: int) -> bytes:  # noqa: D102
+    token = self.id_to_token(token_id)
+    if int(token_id) in self.backend.get_added_tokens_decoder():
+      return token.encode("utf-8")
+    if _has_byte_level_decoder(self.backend):
+      table = _unicode_to_bytes()
+      if all(ch in table for ch in token):
+        return bytes(table[ch] for ch in token)
+    m = _BYTE_PIECE.fullmatch(token)
+    if m is not None:
+      return bytes([int(m.group(1), 16)])
+    return token.replace("\u2581", " ").encode("utf-8")
 
   def save_hf(self, directory: str | os.PathLike) -> None:  # noqa: D102
     directory = os.fspath(directory)

@@ -126,6 +126,15 @@ class SentencePieceTokenizer(Tokenizer):
   def special_ids(self) -> frozenset[int]:  # noqa: D102
     return frozenset(self._control.values()) | frozenset(self._added.values())
 
+  def token_bytes(self, token_id: int) -> bytes:  # noqa: D102
+    token = self.id_to_token(token_id)
+    token_id = int(token_id)
+    if token_id < self._base_size and self.processor.is_byte(token_id):
+      return bytes([int(token[3:5], 16)])  # '<0xE2>'
+    if token_id in self._added_by_id or token_id in self.special_ids:
+      return token.encode("utf-8")
+    return token.replace("\u2581", " ").encode("utf-8")
+
   def save_hf(self, directory: str | os.PathLike) -> None:  # noqa: D102
     raise NotImplementedError(
       "save_hf is not supported for the sentencepiece backend (SentencePiece models are not "
