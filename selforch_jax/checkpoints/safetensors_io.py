@@ -35,6 +35,43 @@ def _np_dtype(name: str):
   return _NP_DTYPES[name]
 
 
+def _as_id(val: Any) -> int | None:
+  return int(val) if isinstance(val, (int, np.integer)) and not isinstance(val, bool) else None
+
+
+def special_ids_for_hf(tokenizer: Any) -> dict[str, int | list[int]]:
+  """The ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` entries of an HF config.
+
+  Reads our :class:`~selforch_jax.tokenizers.Tokenizer` names (``bos_id``, ``eos_id``,
+  ``pad_id``, ``stop_ids``) and, failing those, HF's (``bos_token_id``, ...). The EOS entry
+  holds every stop id (EOS first, then e.g. ``<|im_end|>``): one id as an int, several as a
+  list (``transformers`` accepts both and stops at any of them).
+
+  Args:
+    tokenizer: a tokenizer, or ``None``.
+
+  Returns:
+    dict: only the keys whose ids are known (empty for ``None``).
+  """
+  if tokenizer is None:
+    return {}
+  out: dict[str, int | list[int]] = {}
+  for key, ours in (("bos_token_id", "bos_id"), ("pad_token_id", "pad_id")):
+    val = _as_id(getattr(tokenizer, ours, None))
+    val = _as_id(getattr(tokenizer, key, None)) if val is None else val
+    if val is not None:
+      out[key] = val
+  eos: list[int] = []
+  for val in (getattr(tokenizer, "eos_id", None), getattr(tokenizer, "eos_token_id", None),
+              *(getattr(tokenizer, "stop_ids", None) or ())):
+    val = _as_id(val)
+    if val is not None and val not in eos:
+      eos.append(val)
+  if eos:
+    out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+  return out
+
+
 def export_hf(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokenizer: Any = None,
               dtype: str = "float32") -> str:
   """Write ``model`` as a Hugging Face checkpoint directory.
@@ -42,9 +79,10 @@ def export_hf(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokenizer: An
   Files: ``config.json`` (``cfg.to_hf_dict()`` with ``torch_dtype = dtype``),
   ``model.safetensors`` (HF names and ``[out, in]`` layouts, metadata
   ``{"format": "pt"}``; tied models have no ``lm_head.weight``),
-  ``generation_config.json`` (bos/eos ids from the tokenizer when it exposes
-  ``bos_token_id`` / ``eos_token_id``) and, when ``tokenizer`` has a
-  ``save_hf(dir)`` method, whatever it writes (``tokenizer.json`` etc.).
+  ``generation_config.json`` (``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` from
+  the tokenizer, see :func:`special_ids_for_hf`; ``eos_token_id`` lists every stop id, so
+  ``transformers`` stops at EOS and at the chat template's end-of-turn token) and, when
+  ``tokenizer`` has a ``save_hf(dir)`` method, whatever it writes (``tokenizer.json`` etc.).
 
   Args:
     model: a :class:`~selforch_jax.models.transformer.Transformer`.
@@ -73,10 +111,8 @@ def export_hf(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokenizer: An
   hf_cfg = cfg.to_hf_dict()
   hf_cfg["torch_dtype"] = dtype
   gen: dict[str, Any] = {"_from_model_config": True}
-  for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-    val = getattr(tokenizer, key, None) if tokenizer is not None else None
-    if isinstance(val, (int, np.integer)):
-      hf_cfg[key] = gen[key] = int(val)
+  for key, val in special_ids_for_hf(tokenizer).items():
+    hf_cfg[key] = gen[key] = val
   with open(os.path.join(out_dir, CONFIG_NAME), "w") as f:
     json.dump(hf_cfg, f, indent=2, sort_keys=True)
   with open(os.path.join(out_dir, GENERATION_CONFIG_NAME), "w") as f:
