@@ -16,6 +16,7 @@ from selforch_jax.runtime.schedulers.kv_policies import (H2OPolicy, PagedH2OPoli
                                               StreamingLLMPolicy, make_policy)
 from selforch_jax.runtime.kv_pool import ALIVE, KVPool
 from selforch_jax.runtime.scheduler import execute, run
+from selforch_jax.runtime.step import ForwardSpec
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22], list(range(30, 47))]
 
@@ -45,7 +46,7 @@ def test_dense_policy_equals_ar(model):
     n = len(b.token_ids) - (b.finish_reason == "length")
     assert st["peak_live_tokens"] == len(p) + n
     assert st["mean_live_tokens"] == pytest.approx(len(p) + n / 2)
-  assert engine.last_attn_mass is None          # default off
+  assert not engine.specs_used                  # dense asks for nothing beyond logits
 
 
 def test_streaming_llm_keeps_sinks_and_recent_window_at_the_budget(model):
@@ -104,10 +105,11 @@ def test_h2o_runs_at_the_budget_with_recent_window(model, name):
   budget = 12
   pols = [make_policy(name, budget) for _ in PROMPTS]
   sched = PolicyScheduler(engine, PROMPTS, pols, max_new_tokens=20)
-  assert engine.record_attn_mass                   # switched on for H2O ...
   freed = 0
   while (plan := sched.next_step()) is not None:
+    assert "attn_mass" in plan.spec.outputs        # H2O asks every step for the mass ...
     res = execute(engine, plan)
+    assert res.attn_mass is not None and res.attn_mass.shape == (engine.num_slots,)
     freed += len(res.released_pages)
     sched.on_step(plan, res)
     if sched.results is None and plan.tag[0][0] == "decode":
@@ -115,7 +117,7 @@ def test_h2o_runs_at_the_budget_with_recent_window(model, name):
         pos = alive_positions(engine, pol)
         last = max(pos)
         assert set(range(max(0, last - 5), last + 1)) <= set(pos)   # recent window 6 = 12 * 0.5
-  assert not engine.record_attn_mass               # ... and restored at the end
+  assert engine.specs_used == {("base", ("attn_mass", "logits"), ("none",), 16)}  # ... only
   for trace in sched.live_trace:
     dec = trace[1:]
     assert max(dec) <= budget
@@ -127,12 +129,15 @@ def test_h2o_runs_at_the_budget_with_recent_window(model, name):
   assert freed > 0                                 # evicted whole pages returned to the pool
 
 
+MASS = ForwardSpec(outputs=("logits", "attn_mass"))
+
+
 def test_attention_mass_is_a_probability_sum(model):
-  engine = Engine(model, num_pages=4, page_size=4, record_attn_mass=True)
+  engine = Engine(model, num_pages=4, page_size=4)
   n = 5
-  _, slots = engine.run_step(list(range(1, n + 1)), np.arange(n), np.zeros(n), 0,
-                             np.ones((1, 1), bool), np.zeros(1, bool))
-  mass = np.asarray(engine.last_attn_mass)
+  out, slots = engine.run_step(list(range(1, n + 1)), np.arange(n), np.zeros(n), 0,
+                               np.ones((1, 1), bool), np.zeros(1, bool), spec=MASS)
+  mass = np.asarray(out["attn_mass"])
   L, H = model.cfg.num_layers, model.cfg.num_heads
   # every real query distributes probability 1 per head and layer; T = 5 runs padded to 8
   assert mass.sum() == pytest.approx(n * L * H, rel=1e-5)
@@ -141,16 +146,23 @@ def test_attention_mass_is_a_probability_sum(model):
   # causal: slot of token 0 is seen by all 5 queries, the last token only by itself
   assert mass[slots[0]] > mass[slots[-1]] > 0
   # the first query sees only token 0: its share is exactly L*H; the others add the rest
-  engine2 = Engine(model, num_pages=4, page_size=4, record_attn_mass=True)
-  engine2.run_step([1], [0], [0], 0, np.ones((1, 1), bool), np.zeros(1, bool))
-  assert float(np.asarray(engine2.last_attn_mass).sum()) == pytest.approx(L * H, rel=1e-6)
+  engine2 = Engine(model, num_pages=4, page_size=4)
+  out2, _ = engine2.run_step([1], [0], [0], 0, np.ones((1, 1), bool), np.zeros(1, bool),
+                             spec=MASS)
+  assert float(np.asarray(out2["attn_mass"]).sum()) == pytest.approx(L * H, rel=1e-6)
 
 
-def test_h2o_needs_the_reference_attention_path(model):
-  engine = Engine(model, num_pages=4, page_size=4, attention="paged", interpret=True)
-  with pytest.raises(ValueError, match="attention='reference'"):
-    PolicyScheduler(engine, [[1, 2]], [make_policy("h2o", 8)], max_new_tokens=2)
-  assert not engine.record_attn_mass
+def test_h2o_on_a_paged_engine_runs_the_dense_path(model):
+  # the spec asks for attn_mass, which only the dense reference path computes: a "paged" engine
+  # runs those steps densely (the kernel is never called) and decodes what the reference does
+  toks = []
+  for attention in ("reference", "paged"):
+    engine = Engine(model, num_pages=16, page_size=4, attention=attention, interpret=True)
+    sched = PolicyScheduler(engine, [PROMPTS[0]], [make_policy("h2o", 8)], max_new_tokens=6)
+    run(engine, sched)
+    toks.append(sched.results[0].token_ids)
+    assert engine.windows_used                      # dense-mask steps ran
+  assert toks[0] == toks[1] and len(toks[0]) == 6
 
 
 def test_budget_validation():

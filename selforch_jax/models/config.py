@@ -14,6 +14,9 @@ import jax.numpy as jnp
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 SUPPORTED_ARCHS = ("llama", "qwen3")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYER_LOOPS = ("auto", "scan", "unroll")
+# what ``layer_loop="auto"`` runs per backend (bench/engine_step.py's ``layer_loop`` figures)
+AUTO_LAYER_LOOP = {"cpu": "scan", "gpu": "scan", "tpu": "scan"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,16 @@ class ModelConfig:
     lora_rank: rank r of LoRA adapters (Hu et al. 2021) on ``lora_targets``; 0 = none.
     lora_alpha: LoRA scale numerator; the update is ``(alpha / r) * x @ A @ B``.
     lora_targets: which projections get adapters (names of :class:`DecoderLayers` params).
+    attn_views: names of extra attention views (e.g. Orthrus's ``"diffusion"``): each adds the
+      per-layer parameters ``q_proj_<view>, k_proj_<view>, v_proj_<view>, o_proj_<view>`` (and
+      ``q_norm_<view>, k_norm_<view>`` with ``qk_norm``); the forward with ``view=<name>`` uses
+      them in every layer, everything else is shared (see
+      :func:`selforch_jax.models.transformer.add_attn_view`). Names are identifiers, not
+      ``"base"`` and without ``"lora"``.
+    layer_loop: how the forward runs the L layers: ``"scan"`` (``jax.lax.scan`` over the stacked
+      parameters: one layer compiled), ``"unroll"`` (a Python loop: L layers compiled; faster
+      decode on CPU, where the scan copies each layer's weight slices) or ``"auto"``
+      (:data:`AUTO_LAYER_LOOP` of the backend at trace time).
   """
 
   arch: str = "llama"
@@ -80,6 +93,8 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = LORA_TARGETS
+  attn_views: tuple[str, ...] = ()
+  layer_loop: str = "auto"
 
   def __post_init__(self):
     if self.arch not in SUPPORTED_ARCHS:
@@ -105,6 +120,27 @@ class ModelConfig:
       raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
     if isinstance(self.rope_scaling, Mapping):
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+    views = self.attn_views
+    if isinstance(views, str):
+      views = tuple(v for v in views.split(",") if v)
+    views = tuple(views)
+    object.__setattr__(self, "attn_views", views)
+    for v in views:
+      if not (isinstance(v, str) and v.isidentifier()) or v == "base" or "lora" in v:
+        raise ValueError(f"attn_views entry {v!r} must be an identifier other than 'base' "
+                         f"without 'lora'")
+    if len(set(views)) != len(views):
+      raise ValueError(f"attn_views has repeated names: {views}")
+    if self.layer_loop not in LAYER_LOOPS:
+      raise ValueError(f"layer_loop={self.layer_loop!r} is not one of {LAYER_LOOPS}")
+
+  def resolved_layer_loop(self) -> str:
+    """``"scan"`` or ``"unroll"``: :attr:`layer_loop`, with ``"auto"`` resolved by
+    :data:`AUTO_LAYER_LOOP` for the current default JAX backend."""
+    if self.layer_loop != "auto":
+      return self.layer_loop
+    import jax  # local: the config module stays importable without a backend query
+    return AUTO_LAYER_LOOP.get(jax.default_backend(), "scan")
 
   @property
   def qk_norm(self) -> bool:
@@ -123,10 +159,11 @@ class ModelConfig:
     return dataclasses.replace(self, **kw)
 
   def num_params(self) -> int:
-    """Number of parameters (embedding counted once when tied)."""
+    """Number of parameters (embedding counted once when tied; attention views included)."""
     d, f, dh = self.hidden_size, self.intermediate_size, self.head_dim
     attn = d * dh * (self.num_heads * 2 + self.num_kv_heads * 2)
     layer = attn + 3 * d * f + 2 * d + (2 * dh if self.qk_norm else 0)
+    layer += len(self.attn_views) * (attn + (2 * dh if self.qk_norm else 0))
     emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
     return self.num_layers * layer + emb + d
 

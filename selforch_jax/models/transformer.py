@@ -111,10 +111,46 @@ class DecoderLayers(nnx.Module):
                 nnx.LoRAParam(a, logical_axes=("layers", *in_axes, "lora_rank")))
         setattr(self, f"{name}_lora_b", nnx.LoRAParam(
             jnp.zeros((L, r, *out_shape), pd), logical_axes=("layers", "lora_rank", *out_axes)))
+    for view in cfg.attn_views:  # extra attention views: copies of the base projections
+      for name in view_param_names(cfg):
+        base = getattr(self, name)
+        setattr(self, f"{name}_{view}", nnx.Param(jnp.array(base[...]),
+                                                  logical_axes=base.logical_axes))
 
   def stacked(self) -> dict[str, jax.Array]:
     """The stacked layer parameters (LoRA adapters included) as a dict of arrays (axis 0 = L)."""
     return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+VIEW_PARAMS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def view_param_names(cfg: ModelConfig) -> tuple[str, ...]:
+  """The base layer parameters an attention view has its own copy of (``<name>_<view>``):
+  the four attention projections, plus ``q_norm, k_norm`` when ``cfg.qk_norm``."""
+  return VIEW_PARAMS + (("q_norm", "k_norm") if cfg.qk_norm else ())
+
+
+def view_params(p: dict[str, Any], cfg: ModelConfig, view: str) -> dict[str, Any]:
+  """The stacked layer parameter dict the forward of ``view`` uses: for ``"base"`` the base
+  entries only (every view's copies dropped, so the program is the view-free one); for a view,
+  its ``<name>_<view>`` arrays under the base names (no LoRA adapters on a view's projections).
+
+  Raises:
+    ValueError: ``view`` is neither ``"base"`` nor one of ``cfg.attn_views``.
+  """
+  if view != "base" and view not in cfg.attn_views:
+    raise ValueError(f"unknown attention view {view!r}; the model has 'base' and "
+                     f"{list(cfg.attn_views)}")
+  names = view_param_names(cfg)
+  extra = {f"{n}_{v}" for v in cfg.attn_views for n in names}
+  out = {k: a for k, a in p.items() if k not in extra}
+  if view != "base":
+    for n in names:
+      out[n] = p[f"{n}_{view}"]
+      out.pop(f"{n}_lora_a", None)
+      out.pop(f"{n}_lora_b", None)
+  return out
 
 
 # number of leading (input) dims of each projection after the layer axis
@@ -164,7 +200,8 @@ def attention(q, k, v, mask, dtype, return_mass: bool = False):
   Args:
     q: ``[B, T, H, Dh]`` queries (after RoPE).
     k, v: ``[B, S, K, Dh]`` keys / values, ``H % K == 0``.
-    mask: ``[B, T, S]`` bool, True where the query may see the key.
+    mask: ``[B, T, S]`` bool, True where the query may see the key; or ``[B, K, T, S]``: a
+      mask per KV head (QUEST's per-head page selection), shared by the head's query group.
     dtype: compute dtype of the two matmuls; softmax runs in float32.
     return_mass: also return the attention mass per key (H2O's accumulated attention,
       Zhang et al. 2023): float32 ``[B, S]``, the attention probabilities summed over heads
@@ -178,13 +215,129 @@ def attention(q, k, v, mask, dtype, return_mass: bool = False):
   qg = q.reshape(B, T, K, H // K, Dh).astype(dtype)
   scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(dtype),
                       preferred_element_type=jnp.float32) * (Dh ** -0.5)
-  scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+  m = mask[:, None, None, :, :] if mask.ndim == 3 else mask[:, :, None, :, :]
+  scores = jnp.where(m, scores, MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype))
   if return_mass:
-    mass = jnp.where(mask[:, None, None, :, :], probs.astype(jnp.float32), 0.0).sum((1, 2, 3))
+    mass = jnp.where(m, probs.astype(jnp.float32), 0.0).sum((1, 2, 3))
     return out.reshape(B, T, H, Dh), mass
   return out.reshape(B, T, H, Dh)
+
+
+# SOL's dense rule (akhauriyash/SOL, "Compute Where it Counts"): a query that sees at most
+# sinks + window + 1 keys attends densely; QUEST uses the same rule with these upstream defaults
+SPARSE_DENSE_SINKS = 4
+SPARSE_DENSE_WINDOW = 2
+
+
+def _dense_rows(kv_len: jax.Array, keep_frac: jax.Array, sinks: int, window: int) -> jax.Array:
+  return (kv_len <= sinks + window + 1) | (keep_frac >= 1.0)
+
+
+def quest_key_mask(q: jax.Array, keys: jax.Array, mask: jax.Array, keep_frac: jax.Array,
+                   page_size: int) -> jax.Array:
+  """QUEST's query-aware page selection (Tang et al. 2024, "Quest: Query-Aware Sparsity for
+  Efficient Long-Context LLM Inference", Alg. 1; SOL's ``quest`` knob, akhauriyash/SOL).
+
+  Pages are ``page_size`` consecutive key slots (the key axis is padded to a whole page with
+  invisible slots). Each page's per-channel min/max of the keys is taken over its slots that at
+  least one query of the call may see (``mask.any`` over queries: dead / stale slots do not
+  count). For query t and KV head k the page score is ``sum_g sum_d max(q_{g,d} maxK_d,
+  q_{g,d} minK_d)``, summed over the group's query heads g (GQA choice: the query heads of a
+  group share their KV head's selection, so the score is summed over the group; with
+  ``H == K`` this is QUEST's per-head rule), computed as ``q . (max+min)/2 + |q| . (max-min)/2``
+  (the same value). Query t keeps its ``ceil(keep_frac[t] * kv_len[t] / page_size)`` best pages
+  among those it sees a key of (ties: the lower page), ``kv_len[t]`` = the keys it may see.
+  Queries with ``kv_len <= SPARSE_DENSE_SINKS + SPARSE_DENSE_WINDOW + 1`` or ``keep_frac >= 1``
+  stay dense.
+
+  Args:
+    q: ``[B, T, H, Dh]`` queries after RoPE (any float dtype; scored in float32).
+    keys: ``[B, S, K, Dh]`` cached keys after RoPE.
+    mask: bool ``[B, T, S]`` visibility.
+    keep_frac: float ``[B, T]`` token-attention keep fraction per query.
+    page_size: static int >= 1.
+
+  Returns:
+    bool ``[B, K, T, S]``: ``mask`` restricted to each (query, KV head)'s kept pages.
+  """
+  B, T, H, Dh = q.shape
+  S, K = keys.shape[1], keys.shape[2]
+  P = int(page_size)
+  NP = -(-S // P)
+  pad = NP * P - S
+  kf = keys.astype(jnp.float32)
+  mk = mask
+  if pad:
+    kf = jnp.pad(kf, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    mk = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
+  used = mk.any(axis=1).reshape(B, NP, P, 1, 1)
+  kp = kf.reshape(B, NP, P, K, Dh)
+  kmax = jnp.where(used, kp, -jnp.inf).max(axis=2)            # [B, NP, K, Dh]
+  kmin = jnp.where(used, kp, jnp.inf).min(axis=2)
+  has = used.any(axis=2)                                      # [B, NP, 1, 1]
+  kmax, kmin = jnp.where(has, kmax, 0.0), jnp.where(has, kmin, 0.0)
+  qg = q.astype(jnp.float32).reshape(B, T, K, H // K, Dh)
+  score = (jnp.einsum("btkgd,bpkd->bktp", qg, 0.5 * (kmax + kmin))
+           + jnp.einsum("btkgd,bpkd->bktp", jnp.abs(qg), 0.5 * (kmax - kmin)))
+  page_vis = mk.reshape(B, T, NP, P).any(-1)                  # [B, T, NP]
+  score = jnp.where(page_vis[:, None], score, -jnp.inf)
+  kv_len = mask.sum(-1)                                       # [B, T]
+  n_keep = jnp.ceil(keep_frac * kv_len / P).astype(jnp.int32)
+  rank = jnp.argsort(jnp.argsort(-score, axis=-1, stable=True), axis=-1, stable=True)
+  keep_page = rank < n_keep[:, None, :, None]                 # [B, K, T, NP]
+  keep = jnp.repeat(keep_page, P, axis=-1)[..., :S]
+  dense = _dense_rows(kv_len, keep_frac, SPARSE_DENSE_SINKS, SPARSE_DENSE_WINDOW)
+  return mask[:, None] & (keep | dense[:, None, :, None])
+
+
+def recency_key_mask(mask: jax.Array, keep_frac: jax.Array, sinks: int, window: int,
+                     key_order: jax.Array | None = None) -> jax.Array:
+  """Recency selection (StreamingLLM-style sinks + newest keys; SOL's ``recency`` knob,
+  akhauriyash/SOL "Compute Where it Counts"): query t keeps, among the keys it may see, the
+  ``sinks`` oldest and the ``max(window, ceil(keep_frac[t] * kv_len[t]))`` newest ones
+  (``kv_len[t]`` = keys it may see; age by ``key_order``). Queries with ``kv_len <= sinks +
+  window + 1`` or ``keep_frac >= 1`` stay dense.
+
+  Args:
+    mask: bool ``[B, T, S]`` visibility.
+    keep_frac: float ``[B, T]``.
+    sinks, window: static ints >= 0.
+    key_order: optional int ``[B, S]``: the age rank of each slot (smaller = older; the engine
+      passes the pool's decode order); None = slot order. Ties keep slot order.
+
+  Returns:
+    bool ``[B, T, S]`` (the same selection for every head).
+  """
+  S = mask.shape[-1]
+  if key_order is None:
+    perm = jnp.broadcast_to(jnp.arange(S), mask.shape[:1] + (S,))
+  else:
+    perm = jnp.argsort(key_order, axis=-1, stable=True)         # oldest first
+  ms = jnp.take_along_axis(mask, perm[:, None, :], axis=-1)
+  c = jnp.cumsum(ms.astype(jnp.int32), axis=-1)
+  n = c[..., -1:]
+  recent = jnp.maximum(int(window), jnp.ceil(keep_frac[..., None] * n).astype(jnp.int32))
+  keep_sorted = ms & ((c <= int(sinks)) | (c > n - recent))
+  inv = jnp.argsort(perm, axis=-1)
+  keep = jnp.take_along_axis(keep_sorted, inv[:, None, :], axis=-1)
+  dense = _dense_rows(n[..., 0], keep_frac, int(sinks), int(window))
+  return mask & (keep | dense[..., None])
+
+
+def fake_quant(x: jax.Array, bits: int) -> jax.Array:
+  """Symmetric per-token absmax fake quantisation to ``bits`` bits (SOL's MLP-output knob,
+  akhauriyash/SOL): ``round(x / s) * s`` with ``s = max_d |x_d| / (2^(bits-1) - 1)`` over the
+  last axis, computed in float32 and returned in ``x.dtype``; ``bits >= 16`` is the identity (no
+  op traced). An all-zero row stays zero."""
+  if bits >= 16:
+    return x
+  xf = x.astype(jnp.float32)
+  qmax = float(2 ** (int(bits) - 1) - 1)
+  s = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / qmax
+  safe = jnp.where(s > 0, s, 1.0)
+  return (jnp.round(xf / safe) * safe).astype(x.dtype)
 
 
 class Transformer(nnx.Module):
@@ -209,7 +362,10 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array,
                kv_cache: KVCache | None = None, cache_index: jax.Array | int | None = None,
                *, write_slots: jax.Array | None = None, return_hidden: bool = False,
-               return_attn_mass: bool = False, key_len: int | None = None) -> tuple:
+               return_attn_mass: bool = False, key_len: int | None = None,
+               view: str = "base", mlp_keep: jax.Array | None = None, act_bits: int = 16,
+               sparsity: tuple = ("none",), keep_frac: jax.Array | None = None,
+               key_order: jax.Array | None = None) -> tuple:
     """Forward pass.
 
     Args:
@@ -237,13 +393,28 @@ class Transformer(nnx.Module):
         mass are then ``[B, T, key_len]`` / ``[B, key_len]``. The engine passes the bucketed
         end of the slots its step can see, so a pool with its used pages packed at the front
         costs attention over that prefix, not over the whole pool. None = every slot.
+      view: ``"base"`` or one of ``cfg.attn_views``: the attention projections (and q/k norms)
+        every layer uses; embeddings, norms, MLP and LM head are shared. A view's K/V are
+        written to the cache like any other (a scheduler that must not keep them runs the step
+        as scratch).
+      mlp_keep: optional float or bool ``[D]`` or ``[B, T, D]``: every layer's MLP input (the
+        normed hidden state) is multiplied by it (1 = channel kept, 0 = dropped; SOL's channel
+        knob, the caller chooses the channels).
+      act_bits: MLP-output fake-quant bits (:func:`fake_quant`, per token absmax); 16 = off.
+      sparsity: static ``("none",)``, ``("quest", page_size)`` (:func:`quest_key_mask`, per
+        layer from that layer's queries and keys) or ``("recency", sinks, window)``
+        (:func:`recency_key_mask`, the same for every layer). Not with an attention backend.
+      keep_frac: float ``[B, T]`` keep fraction per query; required when ``sparsity`` is set.
+      key_order: optional int ``[B, S]`` age rank of the keys for ``recency``.
 
     Returns:
       ``(logits [B, T, V] float32, new_cache)`` (``new_cache`` is None without a cache);
-      ``(logits, new_cache, attn_mass)`` with ``return_attn_mass``.
+      ``(logits, new_cache, attn_mass)`` with ``return_attn_mass``. With every spec argument
+      at its default the traced program is the plain one.
 
     Raises:
-      ValueError: on inconsistent shapes (checked at trace time).
+      ValueError: on inconsistent shapes (checked at trace time), an unknown view, sparsity
+        without ``keep_frac`` or with an attention backend.
     """
     cfg = self.cfg
     B, T = tokens.shape
@@ -262,9 +433,24 @@ class Transformer(nnx.Module):
       raise ValueError(f"write_slots shape {write_slots.shape} != tokens shape {(B, T)}")
     dtype = cfg.jnp_dtype
     inv_freq = rope_inv_freq(cfg)
+    sparse = tuple(sparsity)
+    if sparse[0] != "none":
+      if keep_frac is None:
+        raise ValueError(f"sparsity={sparse} needs keep_frac [B, T]")
+      if callable(mask):
+        raise ValueError("sparsity needs a dense mask, not an attention backend")
+      if keep_frac.shape != (B, T):
+        raise ValueError(f"keep_frac shape {keep_frac.shape} != {(B, T)}")
+    if mlp_keep is not None and mlp_keep.shape not in ((cfg.hidden_size,),
+                                                       (B, T, cfg.hidden_size)):
+      raise ValueError(f"mlp_keep shape {mlp_keep.shape} is neither [D] nor [B, T, D]")
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
-    params = self.layers.stacked()
+    params = view_params(self.layers.stacked(), cfg, view)
     ls = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
+    step_mask = mask
+    if sparse[0] == "recency":
+      step_mask = recency_key_mask(mask, keep_frac.astype(jnp.float32), sparse[1], sparse[2],
+                                   key_order)
 
     def layer(x, p, cache_kv):
       h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
@@ -294,25 +480,46 @@ class Transformer(nnx.Module):
         cache_kv = (ck, cv)
       else:
         keys, values = k, v
-      if callable(mask):  # an attention backend, e.g. runtime.paged_backend.PagedAttentionMask
+      m = step_mask
+      if sparse[0] == "quest":
+        m = quest_key_mask(q, keys, mask, keep_frac.astype(jnp.float32), sparse[1])
+      if callable(m):  # an attention backend, e.g. runtime.paged_backend.PagedAttentionMask
         if return_attn_mass:
           raise ValueError("return_attn_mass needs a dense mask, not an attention backend")
-        a, mass = mask(q, keys, values), None
+        a, mass = m(q, keys, values), None
       elif return_attn_mass:
-        a, mass = attention(q, keys, values, mask, dtype, return_mass=True)
+        a, mass = attention(q, keys, values, m, dtype, return_mass=True)
       else:
-        a, mass = attention(q, keys, values, mask, dtype), None
+        a, mass = attention(q, keys, values, m, dtype), None
       x = x + proj(a, p, "o_proj", "bthk,hkd->btd", dtype, ls)
       h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+      if mlp_keep is not None:
+        h = h * mlp_keep.astype(h.dtype)
       g = proj(h, p, "gate_proj", "btd,df->btf", dtype, ls)
       u = proj(h, p, "up_proj", "btd,df->btf", dtype, ls)
-      x = x + proj(jax.nn.silu(g) * u, p, "down_proj", "btf,fd->btd", dtype, ls)
+      x = x + fake_quant(proj(jax.nn.silu(g) * u, p, "down_proj", "btf,fd->btd", dtype, ls),
+                         act_bits)
       return x, cache_kv, mass
 
     if cfg.remat:
       layer = jax.checkpoint(layer)
 
-    if kv_cache is None:
+    if cfg.resolved_layer_loop() == "unroll":
+      # a Python loop over the layers: each layer reads its weights in place (no per-layer
+      # slice copies of the scan); the cache is indexed by a static layer number
+      ck_all = None if kv_cache is None else kv_cache.k
+      cv_all = None if kv_cache is None else kv_cache.v
+      masses = []
+      for i in range(cfg.num_layers):
+        p = {name: arr[i] for name, arr in params.items()}
+        if kv_cache is None:
+          x, _, mass = layer(x, p, None)
+        else:
+          x, (ck_all, cv_all), mass = layer(x, p, (ck_all, cv_all, i))
+        masses.append(mass)
+      new_cache = None if kv_cache is None else KVCache(k=ck_all, v=cv_all)
+      masses = jnp.stack(masses) if return_attn_mass else None
+    elif kv_cache is None:
       def body(x, p):
         x, _, mass = layer(x, p, None)
         return x, mass
@@ -332,9 +539,15 @@ class Transformer(nnx.Module):
     extra = (masses.sum(0),) if return_attn_mass else ()
     if return_hidden:
       return (x, new_cache) + extra
+    return (self.logits_from_hidden(x), new_cache) + extra
+
+  def logits_from_hidden(self, x: jax.Array) -> jax.Array:
+    """LM-head logits float32 ``[B, T, V]`` of final (normed) hidden states ``x [B, T, D]``
+    (what :meth:`__call__` returns with ``return_hidden``), matmul in ``cfg.dtype``."""
+    cfg = self.cfg
     head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-    logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
-    return (logits, new_cache) + extra
+    return jnp.einsum("btd,dv->btv", x, head.astype(cfg.jnp_dtype),
+                      preferred_element_type=jnp.float32)
 
 
 def causal_mask(valid: jax.Array) -> jax.Array:
@@ -376,6 +589,39 @@ def add_lora(model: Transformer, rank: int, alpha: float = 16.0,
     kw["lora_targets"] = targets
   new = Transformer(model.cfg.replace(**kw), rngs=nnx.Rngs(params=seed))
   nnx.update(new, nnx.state(model, nnx.Param))
+  return new
+
+
+def add_attn_view(model: Transformer, name: str) -> Transformer:
+  """A copy of ``model`` with one more attention view ``name`` (``ModelConfig.attn_views``).
+
+  The view's ``q_proj_<name>, k_proj_<name>, v_proj_<name>, o_proj_<name>`` (and ``q_norm_<name>,
+  k_norm_<name>`` with ``qk_norm``), each ``[L, ...]`` like its base parameter, start as copies
+  of the base (AR) projections, so the forward with ``view=name`` computes exactly the base
+  logits until the view is trained (a LoRA adapter of a base projection is not copied: the view
+  starts from the base weights). Every other parameter is the same array as in ``model``.
+  Checkpoint notes: Hugging Face export (``checkpoints.hf_layout.hf_from_params``) writes the
+  base weights only (views are dropped); load an HF checkpoint into a view-free model, then add
+  the view.
+
+  Raises:
+    ValueError: ``name`` is not a valid view name or the model already has it.
+  """
+  cfg = model.cfg
+  if name in cfg.attn_views:
+    raise ValueError(f"the model already has an attention view {name!r}")
+  new_cfg = cfg.replace(attn_views=cfg.attn_views + (name,))
+  new = nnx.eval_shape(lambda: Transformer(new_cfg, rngs=nnx.Rngs(params=0)))
+  old = nnx.state(model, nnx.Param)
+  flat = dict(nnx.to_flat_state(old))
+  state = nnx.state(new, nnx.Param)
+  for path, var in nnx.to_flat_state(state):
+    if path in flat:
+      var.set_value(flat[path].get_value())
+    else:   # ("layers", "<base>_<name>")
+      base = path[-1][:-(len(name) + 1)]
+      var.set_value(jnp.array(flat[path[:-1] + (base,)].get_value()))
+  nnx.update(new, state)
   return new
 
 

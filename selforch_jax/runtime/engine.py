@@ -30,6 +30,7 @@ one rule, shared by every scheduler) and calls :meth:`Engine.step`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,8 +42,9 @@ from selforch_jax.models.transformer import KVCache, Transformer
 from selforch_jax.runtime.kv_pool import KVPool, PoolExhausted
 from selforch_jax.runtime.mask import step_mask
 from selforch_jax.runtime.paged_backend import (
-    PagedAttentionMask, build_paged_mask, default_attention_impl,
+    PagedAttentionMask, build_paged_mask, default_attention_impl, needs_dense_mask,
 )
+from selforch_jax.runtime.step import ForwardSpec, parse_sparsity
 
 
 KEY_WINDOW_MIN = 256  # slots: the shortest key window (smaller pools use all their slots)
@@ -98,11 +100,10 @@ def _jitted_spec_step(graphdef, key, state, cache, tokens, positions, write_slot
     mk = extras["mlp_keep"]
     kw["mlp_keep"] = mk if mk.ndim == 1 else mk[None]
   want_mass, want_hidden = "attn_mass" in outputs, "hidden" in outputs
-  if isinstance(mask, PagedAttentionMask):
-    m, kl, W = mask, {}, cache.max_len
-  else:
-    m, kl, W = mask[None], dict(key_len=mask.shape[1]), mask.shape[1]
-  res = model(tokens[None], positions[None], m, cache, write_slots=write_slots[None],
+  paged = isinstance(mask, PagedAttentionMask)   # (operands in _jitted_step's order)
+  kl, W = ({}, cache.max_len) if paged else (dict(key_len=mask.shape[1]), mask.shape[1])
+  res = model(tokens[None], positions[None], mask if paged else mask[None], cache,
+              write_slots=write_slots[None],
               return_hidden=want_hidden or "logits" not in outputs, return_attn_mass=want_mass,
               **kl, **kw)
   first, cache = res[0], res[1]
@@ -158,10 +159,12 @@ class Engine:
       over the pool's per-slot metadata (:mod:`~selforch_jax.runtime.paged_backend`; dead and
       invisible pages skipped); ``"auto"``: paged on a GPU, reference elsewhere.
     interpret: run the paged kernel in Pallas interpret mode (CPU tests).
-    record_attn_mass: also compute, every step, the attention mass per slot (float32 ``[S]``,
-      summed over layers, heads and the step's queries) into :attr:`last_attn_mass` (H2O
-      eviction needs it). Off by default: the step is then the plain program. May be toggled
-      between steps (each setting compiles its own program once).
+
+  What a step computes beyond the base logits (hidden state, attention mass per slot, views,
+  sparsity, MLP channel keep, fake-quant) is asked per step with a
+  :class:`~selforch_jax.runtime.step.ForwardSpec` (:meth:`step`, :meth:`run_step`); a spec that
+  needs the dense mask (attention mass, sparsity, a per-query key keep) runs the dense
+  reference path also on a ``"paged"`` engine.
 
   Attributes:
     cfg: the model config. pool: the :class:`KVPool`. cache: the device :class:`KVCache`
@@ -169,28 +172,22 @@ class Engine:
     num_steps / num_query_tokens: steps run and real (unpadded) query tokens processed.
     buckets_used: the padded step sizes this engine has run (each compiled once per model
     structure, S and key window, shared by all engines). windows_used: the key windows
-    (:func:`key_window`) of its dense-mask steps.
-    last_attn_mass: float32 ``[S]`` device array of the latest step when
-    ``record_attn_mass`` (padding queries add nothing), else None.
+    (:func:`key_window`) of its dense-mask steps. specs_used: the :func:`spec_key` of every
+    non-plain spec it ran.
 
   Raises:
     ValueError: non-positive ``num_pages`` or ``page_size``.
   """
 
   def __init__(self, model: Transformer, num_pages: int, page_size: int, *,
-               record_attn_mass: bool = False, attention: str = "auto",
-               interpret: bool = False):
+               attention: str = "auto", interpret: bool = False):
     if attention == "auto":
       attention = default_attention_impl()
     if attention not in ("reference", "paged"):
       raise ValueError(f"attention must be 'auto', 'reference' or 'paged', got {attention!r}")
-    if attention == "paged" and record_attn_mass:
-      raise ValueError("record_attn_mass needs attention='reference' (the dense mask path)")
     self.attention = attention
     self.interpret = bool(interpret)
     self.cfg = model.cfg
-    self.record_attn_mass = bool(record_attn_mass)
-    self.last_attn_mass = None
     self.graphdef, self.state = nnx.split(model)
     self.pool = KVPool.for_model_config(self.cfg, num_pages, page_size)
     self.num_slots = self.pool.num_slots
@@ -200,8 +197,9 @@ class Engine:
     self.num_query_tokens = 0
     self.buckets_used: set[int] = set()
     self.windows_used: set[int] = set()
+    self.specs_used: set[tuple] = set()
 
-  def step(self, tokens, positions, write_slots, mask) -> jax.Array:
+  def step(self, tokens, positions, write_slots, mask, spec: ForwardSpec | None = None):
     """Run T query tokens against the pool, writing their K/V into ``write_slots``.
 
     Low level: the pool's bookkeeping is not touched (:meth:`run_step` does that).
@@ -213,13 +211,26 @@ class Engine:
       mask: bool ``[T, S]``: query t may see slot s (after this step's writes); or, on the
         kernel path, a :class:`~selforch_jax.runtime.paged_backend.PagedAttentionMask` of
         shape ``(1, bucket_size(T), S)``.
+      spec: optional :class:`~selforch_jax.runtime.step.ForwardSpec`: what else the step
+        computes. Its arrays: ``query_key_keep`` bool ``[T, S]`` (ANDed into ``mask``),
+        ``mlp_keep`` ``[D]`` or ``[T, D]``, ``keep_frac`` float ``[T]`` (needed by a sparsity;
+        fractions in [0, 1], ``>= 1`` = dense). ``recency`` ages keys by the pool's decode
+        order (``pool.order``, ties by slot). A plain spec (everything off, no arrays) runs the
+        plain program. Views write their K/V into ``write_slots`` like the base (run the step
+        as scratch to drop them).
 
     Returns:
-      float32 ``[T, V]`` logits (a device array).
+      Without ``spec``: float32 ``[T, V]`` logits (a device array). With ``spec``: a dict
+      ``{"logits": float32 [T, V] | None, "hidden": [T, D] (compute dtype) | None,
+      "attn_mass": float32 [S] | None}`` (None where the spec did not ask; ``attn_mass`` is
+      the attention probability each slot got, summed over layers, heads and the real
+      queries, 0 past the key window).
 
     Raises:
       ValueError: empty step, mismatched shapes, out-of-range or repeated slots, or token
-        ids outside the vocabulary.
+        ids outside the vocabulary; a spec naming an unknown view, a sparsity without
+        ``keep_frac``, spec arrays of the wrong shape, or a spec that needs the dense mask
+        given a :class:`PagedAttentionMask`.
     """
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     positions = np.asarray(positions, np.int32).reshape(-1)
@@ -245,31 +256,79 @@ class Engine:
       positions = np.concatenate([positions, np.zeros(pad, np.int32)])
       # out-of-range slots: the scatter drops these writes (mode FILL_OR_DROP)
       write_slots = np.concatenate([write_slots, S + np.arange(pad, dtype=np.int32)])
+    key, extras = PLAIN_KEY, {}
+    if spec is not None:
+      key = spec_key(spec)
+      if paged and needs_dense_mask(spec):
+        raise ValueError(f"step: spec {key} needs the dense bool [T, S] mask, not a "
+                         f"PagedAttentionMask (run_step builds it)")
+      if spec.query_key_keep is not None:
+        qkk = np.asarray(spec.query_key_keep, bool)
+        if qkk.shape != (T, S):
+          raise ValueError(f"step: query_key_keep {qkk.shape} != [T, S] = {(T, S)}")
+        mask = mask & qkk
+      extras = self._spec_arrays(spec, key, T, Tb)
     if not paged:
       W = key_window(mask)
       windowed = np.zeros((Tb, W), bool)  # padding queries see nothing
       windowed[:T] = mask[:, :W]
       mask = windowed
       self.windows_used.add(W)
-    if self.record_attn_mass:
-      logits, self.cache, self.last_attn_mass = _jitted_step_attn_mass(
-          self.graphdef, self.state, self.cache, tokens, positions, write_slots, mask)
-    else:
+      if key[2][0] == "recency":   # age rank of the window's slots: the pool's decode order
+        order = self.pool.order[:W]
+        extras["key_order"] = np.argsort(np.argsort(order, kind="stable"),
+                                         kind="stable").astype(np.int32)
+    if key == PLAIN_KEY and not extras:
       logits, self.cache = _jitted_step(self.graphdef, self.state, self.cache, tokens, positions,
                                         write_slots, mask)
-      self.last_attn_mass = None
+      out = {"logits": logits}
+    else:
+      out, self.cache = _jitted_spec_step(self.graphdef, key, self.state, self.cache, tokens,
+                                          positions, write_slots, mask, extras)
+      self.specs_used.add(key)
     self.buckets_used.add(Tb)
     self.num_steps += 1
     self.num_query_tokens += T
-    return logits[:T] if Tb != T else logits
+    if Tb != T:
+      out = {k: (v if k == "attn_mass" else v[:T]) for k, v in out.items()}
+    if spec is None:
+      return out["logits"]
+    return {k: out.get(k) for k in ("logits", "hidden", "attn_mass")}
 
-  def warm_up(self, sizes, attn_mass: tuple[bool, ...] = (False,)) -> None:
+  def _spec_arrays(self, spec: ForwardSpec, key: tuple, T: int, Tb: int) -> dict:
+    """The padded device-bound arrays of ``spec`` (see :func:`_jitted_spec_step`)."""
+    D = self.cfg.hidden_size
+    if spec.view != "base" and spec.view not in self.cfg.attn_views:
+      raise ValueError(f"step: unknown view {spec.view!r}; the model has 'base' and "
+                       f"{list(self.cfg.attn_views)}")
+    extras = {}
+    if spec.mlp_keep is not None:
+      mk = np.asarray(spec.mlp_keep, np.float32)
+      if mk.shape == (T, D):
+        mk = np.concatenate([mk, np.ones((Tb - T, D), np.float32)])
+      elif mk.shape != (D,):
+        raise ValueError(f"step: mlp_keep {mk.shape} is neither [D] = [{D}] nor [T, D]")
+      extras["mlp_keep"] = mk
+    if key[2][0] != "none":
+      if spec.keep_frac is None:
+        raise ValueError(f"step: sparsity {spec.sparsity!r} needs keep_frac [T]")
+      kf = np.asarray(spec.keep_frac, np.float32).reshape(-1)
+      if kf.shape != (T,):
+        raise ValueError(f"step: keep_frac {kf.shape} != [{T}]")
+      extras["keep_frac"] = np.concatenate([kf, np.ones(Tb - T, np.float32)])
+    return extras
+
+  def warm_up(self, sizes, attn_mass: tuple[bool, ...] = (False,),
+              specs: tuple[ForwardSpec, ...] = ()) -> None:
     """Compile the dense-mask step programs timed runs will use: every padded size of
     ``sizes`` (query counts; those above S are dropped) at every key window a step of that size
     can have (:func:`key_windows`; a step of ``Tb >= 256`` padded queries sees at least ``Tb / 2
-    + 1`` slots, so its window is at least ``Tb``), without and, if ``True in attn_mass``, with
-    the attention mass. Resets the step counters. On a ``"paged"`` engine only the dense-mask
-    programs compile (the kernel's compile falls in the first real step).
+    + 1`` slots, so its window is at least ``Tb``), for every spec: the plain step for each
+    ``False`` in ``attn_mass``, ``ForwardSpec(outputs=("logits", "attn_mass"))`` (H2O's) for a
+    ``True``, and each of ``specs`` (only their static part and which arrays they carry, with
+    their ranks, matter; placeholder arrays are used). Resets the step counters. On a
+    ``"paged"`` engine only the dense-mask programs compile (the kernel's compile falls in the
+    first real step).
 
     Raises:
       ValueError: the pool holds allocated slots (warm up a fresh or reset engine: the
@@ -277,23 +336,27 @@ class Engine:
     """
     if self.pool.used_pages:
       raise ValueError(f"warm_up needs an empty pool; {self.pool.used_pages} pages are in use")
-    S = self.num_slots
-    was = self.record_attn_mass
+    S, D = self.num_slots, self.cfg.hidden_size
     sizes = sorted({bucket_size(n) for n in sizes if 1 <= n <= S})
-    try:
-      for mode in attn_mass:
-        self.record_attn_mass = bool(mode)
-        for Tb in sizes:
-          T = min(Tb, S)  # real queries; the step pads them to Tb
-          for W in key_windows(S) if self.attention == "reference" else [S]:
-            if Tb >= KEY_WINDOW_MIN and W < T:
-              continue
-            mask = np.zeros((T, S), bool)
-            mask[0, W - 1] = True
-            self.step(np.zeros(T, np.int32), np.zeros(T, np.int32),
-                      np.arange(T, dtype=np.int32), mask)
-    finally:
-      self.record_attn_mass = was
+    todo = [ForwardSpec(outputs=("logits", "attn_mass")) if m else None for m in attn_mass]
+    todo += list(specs)
+    for spec in todo:
+      for Tb in sizes:
+        T = min(Tb, S)  # real queries; the step pads them to Tb
+        sp = spec
+        if spec is not None:   # placeholder arrays of the spec's ranks
+          mk = spec.mlp_keep
+          sp = dataclasses.replace(
+              spec, query_key_keep=None,
+              mlp_keep=None if mk is None else np.ones((D,) if np.ndim(mk) == 1 else (T, D)),
+              keep_frac=None if spec.keep_frac is None else np.full(T, 0.5))
+        for W in key_windows(S) if self.attention == "reference" else [S]:
+          if Tb >= KEY_WINDOW_MIN and W < T:
+            continue
+          mask = np.zeros((T, S), bool)
+          mask[0, W - 1] = True
+          self.step(np.zeros(T, np.int32), np.zeros(T, np.int32),
+                    np.arange(T, dtype=np.int32), mask, spec=sp)
     self.num_steps = self.num_query_tokens = 0
 
   # --- what schedulers call ----------------------------------------------------------------
@@ -324,7 +387,8 @@ class Engine:
     return slots
 
   def run_step(self, tokens, positions, segments, owners, visible, bidir, *,
-               orders=None, key_keep=None, write_slots=None) -> tuple[jax.Array, np.ndarray]:
+               orders=None, key_keep=None, write_slots=None,
+               spec: ForwardSpec | None = None) -> tuple:
     """Allocate, record, mask and run one step (the scheduler-facing step).
 
     Args:
@@ -340,9 +404,12 @@ class Engine:
         §2.5): query t writes its K/V into this slot, which its owner already holds ALIVE,
         instead of a newly allocated one. Nothing is allocated; the slots' position, segment
         and order are re-recorded (:meth:`KVPool.rewrite`; put back if the step fails).
+      spec: optional :class:`~selforch_jax.runtime.step.ForwardSpec` (see :meth:`step`); a
+        spec that needs the dense mask gets it on a ``"paged"`` engine too.
 
     Returns:
-      ``(logits [T, V] float32 device array, slots int32 [T])``.
+      ``(logits [T, V] float32 device array, slots int32 [T])``; with ``spec``, ``(outputs,
+      slots)`` with ``outputs`` the dict of :meth:`step`.
 
     Raises:
       PoolExhausted: not enough free pages (nothing changed; evict and retry).
@@ -371,13 +438,13 @@ class Engine:
     try:
       if not in_place:
         self.pool.write(slots, positions, segments, orders)
-      if self.attention == "paged":
+      if self.attention == "paged" and not (spec is not None and needs_dense_mask(spec)):
         mask = build_paged_mask(self.pool, segments, orders, visible, bidir,
                                 num_queries=bucket_size(T), key_keep=key_keep,
                                 interpret=self.interpret)
       else:
         mask = step_mask(self.pool, segments, orders, visible, bidir, key_keep)
-      logits = self.step(tokens, positions, slots, mask)
+      logits = self.step(tokens, positions, slots, mask, spec=spec)
     except Exception:
       if in_place:
         self.pool.restore_metadata(slots, before)

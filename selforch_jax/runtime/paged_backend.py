@@ -25,7 +25,7 @@ import numpy as np
 from kernels_pallas import paged_attention as pa
 from selforch_jax.runtime.kv_pool import ALIVE, KVPool
 
-__all__ = ["PagedAttentionMask", "build_paged_mask", "default_attention_impl"]
+__all__ = ["PagedAttentionMask", "build_paged_mask", "default_attention_impl", "needs_dense_mask"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,3 +145,13 @@ def default_attention_impl() -> str:
   """``"paged"`` on a GPU backend (the compiled Triton kernel), else ``"reference"`` (the dense
   jnp path on CPU; the kernel's TPU lowering is not written)."""
   return "paged" if jax.default_backend() == "gpu" else "reference"
+
+
+def needs_dense_mask(spec) -> bool:
+  """Whether a :class:`~selforch_jax.runtime.step.ForwardSpec` needs the dense ``bool [T, S]``
+  mask (the jnp reference attention) instead of the paged kernel: it asks for the attention
+  mass per slot, a sparsity (QUEST / recency select keys per query inside the step) or carries
+  a per-query key keep ``[T, S]``. The engine runs such steps on the dense path also when its
+  attention is ``"paged"``; views, hidden, MLP channel keep and fake-quant work on both."""
+  return ("attn_mass" in spec.outputs or str(spec.sparsity).strip() != "none"
+          or spec.query_key_keep is not None)

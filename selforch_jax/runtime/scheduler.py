@@ -86,14 +86,16 @@ def execute(engine: Engine, plan: StepPlan) -> StepResult:
   for o, n in plan.rollback.items():
     pool.rollback(int(o), int(n))
   released = pool.evict(plan.evict) if len(plan.evict) else []
-  logits, slots = engine.run_step(plan.tokens, plan.positions, plan.segments, plan.owners,
-                                  plan.visible, plan.bidir, orders=plan.orders,
-                                  key_keep=plan.key_keep, write_slots=plan.write_slots)
+  out, slots = engine.run_step(plan.tokens, plan.positions, plan.segments, plan.owners,
+                               plan.visible, plan.bidir, orders=plan.orders,
+                               key_keep=plan.key_keep, write_slots=plan.write_slots,
+                               spec=plan.spec)
   if plan.scratch:
     owners = np.broadcast_to(np.asarray(plan.owners, np.int64), slots.shape)
     for o in np.unique(owners)[::-1]:
       pool.rollback(int(o), int(np.count_nonzero(owners == o)))
-  return StepResult(logits=logits, slots=slots, released_pages=released)
+  return StepResult(logits=out["logits"], slots=slots, released_pages=released,
+                    hidden=out["hidden"], attn_mass=out["attn_mass"])
 
 
 def run(engine: Engine, scheduler: Scheduler, max_steps: int | None = None) -> int:

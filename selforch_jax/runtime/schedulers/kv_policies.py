@@ -20,8 +20,8 @@ request:
   ones;
 * :class:`H2OPolicy`: a recent window of ``round(recent_ratio * budget)`` tokens + the heavy
   hitters, i.e. the tokens with the largest accumulated attention (the attention probability
-  every later query gave them, summed over layers, heads and queries:
-  :attr:`Engine.last_attn_mass <selforch_jax.runtime.engine.Engine.last_attn_mass>`); token
+  every later query gave them, summed over layers, heads and queries: the ``attn_mass`` output
+  its steps ask for in their :class:`~selforch_jax.runtime.step.ForwardSpec`); token
   granular: the lowest-score token outside the window is evicted;
 * :class:`PagedH2OPolicy`: the same scores summed per KV page; whole pages are evicted (the
   lowest-score page outside the recent window), so freed pages return to the pool.
@@ -57,6 +57,7 @@ from selforch_jax.runtime.engine import Engine
 from selforch_jax.runtime.kv_pool import ALIVE
 from selforch_jax.runtime.registry import fresh_bases
 from selforch_jax.runtime.scheduler import StepPlan, StepResult
+from selforch_jax.runtime.step import PLAIN, ForwardSpec
 
 __all__ = ["Route", "KVPolicy", "DensePolicy", "StreamingLLMPolicy", "H2OPolicy",
            "PagedH2OPolicy", "PolicyScheduler", "make_policy", "POLICIES"]
@@ -84,7 +85,7 @@ class KVPolicy:
   it; returns the pool changes) and :meth:`written` (after the step, with the token's slot).
   """
 
-  needs_attention = False  # True: the engine must record attention mass (H2O)
+  needs_attention = False  # True: the steps ask for the attention mass (H2O)
 
   def bind(self, sched: "PolicyScheduler", row: int) -> None:
     """Attach to request ``row`` of ``sched`` (its pool, its first owner, its score array)."""
@@ -284,10 +285,11 @@ class PolicyScheduler(ARScheduler):
   see :meth:`kv_summary`), :attr:`live_trace` (per request, live tokens after prefill and
   after each decode step) and :attr:`owners` (every page-table owner used; free them after).
 
+  With an H2O policy every step's spec asks for ``outputs=("logits", "attn_mass")`` (the
+  engine runs those steps on the dense-mask path, also on a ``"paged"`` engine).
+
   Raises:
-    ValueError: a policy count other than B; an H2O policy on an engine whose attention is
-      not ``"reference"`` (the paged kernel does not return attention mass); or as
-      :class:`ARScheduler`.
+    ValueError: a policy count other than B; or as :class:`ARScheduler`.
   """
 
   def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]],
@@ -311,12 +313,8 @@ class PolicyScheduler(ARScheduler):
     self._next_owner = int(self.owners[-1]) + 1
     self.policies = list(policies)
     self.attn_score = np.zeros(engine.num_slots, np.float32)
-    self._attn_was = engine.record_attn_mass
-    if any(p.needs_attention for p in self.policies):
-      if getattr(engine, "attention", "reference") != "reference":
-        raise ValueError("H2O policies read the attention mass of the dense-mask path: build the "
-                         "Engine with attention='reference'")
-      engine.record_attn_mass = True
+    self.spec = (ForwardSpec(outputs=("logits", "attn_mass"))
+                 if any(p.needs_attention for p in self.policies) else PLAIN)
     for i, p in enumerate(self.policies):
       p.bind(self, i)
     self.live_trace: list[list[int]] = [[] for _ in prompts]
@@ -356,7 +354,7 @@ class PolicyScheduler(ARScheduler):
     return StepPlan(tokens=prompt[start:j], positions=np.arange(start, j),
                     segments=np.full(j - start, self.segs[i]), owners=[r.owner for r in routes],
                     visible=self.visible, bidir=self.bidir, evict=evict,
-                    free_owners=tuple(free), tag=tag)
+                    free_owners=tuple(free), spec=self.spec, tag=tag)
 
   def next_step(self) -> StepPlan | None:
     plan = super().next_step()
@@ -376,7 +374,7 @@ class PolicyScheduler(ARScheduler):
     for o in plan.free_owners:       # finished requests release every owner they used
       free += self.policies[int(o) - int(self.row_owners[0])].owners()
     return dataclasses.replace(plan, owners=np.asarray(owners), evict=evict,
-                               free_owners=tuple(dict.fromkeys(free)),
+                               free_owners=tuple(dict.fromkeys(free)), spec=self.spec,
                                tag=(plan.tag, plan.free_owners))
 
   # --- after a step --------------------------------------------------------------------------
@@ -388,9 +386,9 @@ class PolicyScheduler(ARScheduler):
         self.policies[i].written([slots[j]])
     else:
       self.policies[rows[0]].written(slots)
-    if self.engine.last_attn_mass is not None:
+    if result.attn_mass is not None:
       self.attn_score[slots] = 0.0
-      self.attn_score += np.asarray(jax.device_get(self.engine.last_attn_mass), np.float32)
+      self.attn_score += np.asarray(jax.device_get(result.attn_mass), np.float32)
     if kind != "prefill_part":
       pool = self.engine.pool
       alive = pool.state == ALIVE
@@ -429,7 +427,6 @@ class PolicyScheduler(ARScheduler):
 
   def _finish(self) -> None:
     super()._finish()
-    self.engine.record_attn_mass = self._attn_was
     everyone = list(dict.fromkeys(
         [int(o) for o in self.row_owners] + [o for p in self.policies for o in p.owners()]))
     self.owners = np.asarray(everyone)
@@ -449,3 +446,44 @@ class PolicyScheduler(ARScheduler):
                 mean_live_bytes=float(live.mean() * bpt), peak_live_bytes=int(live.max() * bpt),
                 mean_resident_tokens=float(pages.mean()), peak_resident_tokens=int(pages.max()),
                 steps=int(live.size))
+
+
+# --- registry factories (appended; the registry's "streaming_llm" and "h2o") -----------------
+def _policy_factory(name: str):
+  def factory(engine: Engine, prompts: Sequence[Sequence[int]], *, budget: int | None = None,
+              tag_vocab=None, stop_strings: Sequence[str] = (), decode=None, on_token=None,
+              n_sink: int | None = None, recent_ratio: float | None = None, **kw):
+    from selforch_jax.runtime.generation import StopStringWatcher, check_context
+    if budget is None:
+      raise ValueError(f"the {name!r} scheduler needs budget= (live KV tokens per request)")
+    if "max_new_tokens" in kw:
+      check_context([len(p) for p in prompts], kw["max_new_tokens"],
+                    engine.cfg.max_position_embeddings)
+    pkw = {}
+    if name == "streaming_llm" and n_sink is not None:
+      pkw["n_sink"] = int(n_sink)
+    if name != "streaming_llm" and recent_ratio is not None:
+      pkw["recent_ratio"] = float(recent_ratio)
+    sched = PolicyScheduler(engine, prompts, [make_policy(name, budget, **pkw) for _ in prompts],
+                            **kw)
+    if stop_strings:   # the AR scheduler's stop-string and streaming hooks
+      if decode is None:
+        raise ValueError("stop_strings need a decode callable (ids -> text)")
+      sched.stop_strings = tuple(stop_strings)
+      sched.watchers = [StopStringWatcher(decode, sched.stop_strings) for _ in prompts]
+    sched.on_token = on_token
+    return sched
+  factory.__doc__ = (f"{name} (:class:`PolicyScheduler` with one ``make_policy({name!r}, "
+                     "budget)`` per prompt); needs ``budget``; takes ``max_new_tokens``, "
+                     "``sampling``, ``stop_ids``, ``stop_strings`` + ``decode``, ``on_token``.")
+  return factory
+
+
+def _register_policies() -> None:
+  from selforch_jax.runtime.registry import register, registered
+  for name in ("streaming_llm", "h2o", "paged_h2o"):
+    if name not in registered().names():
+      register(name)(_policy_factory(name))
+
+
+_register_policies()
