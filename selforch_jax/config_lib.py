@@ -223,7 +223,6 @@ def parse_flags(argv: list[str]) -> list[str]:
       where = f" in {bad[0]}" if bad else ""
       msg = f"unknown config key {key!r}{where}" + (f" ({msg[len(key) + 2:].strip()})"
                                                       if "Did you mean" in msg else "")
-    print(f"config error: {msg}", file=sys.stderr)
-    print("Pass --helpfull to see the flags; each config file's docstring shows its run command.",
-          file=sys.stderr)
+    print(f"config error: {msg} (--help lists the keys; each config file's docstring shows "
+          "its run command)", file=sys.stderr)
     sys.exit(2)

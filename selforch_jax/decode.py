@@ -7,12 +7,21 @@ Examples::
       --workdir=out/run1 --config.sampling.temperature=0.7 --config.sampling.top_p=0.9
   python -m selforch_jax.decode --config=configs/demo.py --workdir=out/demo
 
-Writes ``<workdir>/answers.jsonl`` (one row per prompt: id, prompt text, answer text,
-token ids, per-token log-probs, finish reason) and ``<workdir>/summary.json``
-(throughput: prefill ms, decode tokens/s, compile s). With ``config.pasta.adapter`` set (as in
+Every runtime: ``--config.runtime=NAME`` (ar, pasta, tip, sot, apar, streaming_llm, h2o),
+``--config.adapter=DIR`` for a fine-tuned adapter (pasta defaults to
+``adapters/pasta_smollm2_135m``; tip needs one). With a single ``--prompt`` the answer is streamed
+to the terminal as it is decoded, then its figures; ``--prompts_file`` decodes many.
+
+Writes ``<workdir>/answers.jsonl`` (one row per prompt: id, prompt, ``text``, ``token_ids``,
+log-probs, ``finish_reason``, ``forwards``, ``tokens_per_forward``, ``wall_s`` and the runtime's
+own figures) and ``<workdir>/summary.json``. With ``config.pasta.adapter`` set (as in
 ``configs/demo.py``) also ``<workdir>/pasta.jsonl``: the adapter's model decoding AlpacaEval
 prompts with PASTA and with AR (:func:`selforch_jax.decoding.run.run_pasta_part`), and a
 ``pasta`` block in the summary.
+
+``--help`` lists every config key with its default. Errors (a missing config file, an unknown
+key, a bad workdir, an empty prompt, an unknown runtime, a missing adapter, a prompt longer than
+the context, ...) print one line naming the problem and exit with status 2.
 """
 
 from __future__ import annotations
@@ -29,41 +38,105 @@ from selforch_jax.decoding.run import run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "decode config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "out/decode", "where answers.jsonl and summary.json go")
-_PROMPT = flags.DEFINE_string("prompt", "", "a single user prompt")
+_PROMPT = flags.DEFINE_string("prompt", "", "a single user prompt (streamed to the terminal)")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", "", "JSONL with messages/prompt/instruction/question")
+
+SHOW_ANSWERS = 3      # answers printed at the end of a run of many prompts
+SHOW_CHARS = 2000     # longer printed texts are cut, saying so
+
+
+def fail(msg: str) -> None:
+  """Print one line naming the problem and exit with status 2."""
+  print("error: " + " ".join(str(msg).split()), file=sys.stderr)
+  sys.exit(2)
+
+
+def _config_arg(argv: list[str]) -> str | None:
+  for i, a in enumerate(argv):
+    if a.startswith("--config="):
+      return a.split("=", 1)[1]
+    if a == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """``--help``: usage and every config key (exit 0); a missing config file: one line, exit 2;
+  then :func:`selforch_jax.config_lib.parse_flags`."""
+  from selforch_jax.decoding.run import help_text
+  spec = _config_arg(argv[1:])
+  path = spec.split(":", 1)[0] if spec else None
+  if any(a in ("--help", "-h", "--helpshort", "-?") for a in argv[1:]):
+    config = None
+    if path and os.path.isfile(path):
+      try:
+        from selforch_jax.api import load_config_file
+        config = load_config_file(spec)
+      except Exception:  # noqa: BLE001 - help shows the defaults then
+        config = None
+    print(__doc__.strip().split("\n\n")[0])
+    print("\nflags:\n  --config=FILE[:arg]  decode config file (e.g. configs/smollm2_135m.py)\n"
+          "  --workdir=DIR  where answers.jsonl and summary.json go (default out/decode)\n"
+          "  --prompt=TEXT  a single user prompt (streamed)\n"
+          "  --prompts_file=FILE  JSONL rows with messages/prompt/instruction/question\n"
+          f"\nconfig keys ({'values of ' + spec if config is not None else 'defaults'}):")
+    print(help_text(config))
+    sys.exit(0)
+  if spec is None:
+    fail("--config is required, e.g. --config=configs/smollm2_135m.py")
+  if not os.path.isfile(path):
+    fail(f"config file {path!r} not found")
+  return config_lib.parse_flags(argv)
+
+
+def clip(text: str, n: int, where: str) -> str:
+  """``text``, or its first ``n`` characters and a note saying it was cut and where the whole
+  text is."""
+  if len(text) <= n:
+    return text
+  return f"{text[:n]}\n[... cut at {n} of {len(text)} characters; the whole text is in {where}]"
 
 
 def main(argv):
+  from absl import logging
+
+  from selforch_jax.api import ApiError
+  logging.set_verbosity(logging.WARNING)   # no INFO lines (e.g. JAX's backend probe) on stderr
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    fail(f"unexpected arguments: {' '.join(argv[1:])}")
   config = _CONFIG.value
   if config is None:
-    raise app.UsageError("--config is required, e.g. --config=configs/smollm2_135m.py")
+    fail("--config is required, e.g. --config=configs/smollm2_135m.py")
+  prompt = _PROMPT.value
   try:
-    summary = run(config, _WORKDIR.value, _PROMPT.value, _PROMPTS_FILE.value)
-  except config_lib.ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    sys.exit(2)
-  except (FileNotFoundError, ValueError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  rows = [json.loads(l) for l in open(os.path.join(_WORKDIR.value, "answers.jsonl"))]
-  for r in rows[:3]:
-    print(f"\n### {r['id']}: {r['prompt'][:200]}\n{r['text'][:600]}")
-  print("\n" + json.dumps(summary, indent=2))
-  print(f"answers: {os.path.join(_WORKDIR.value, 'answers.jsonl')}")
+    summary = run(config, _WORKDIR.value, prompt, _PROMPTS_FILE.value, stream=sys.stdout)
+  except (config_lib.ConfigError, ApiError, FileNotFoundError, ValueError, OSError) as e:
+    fail(e)
+  path = os.path.join(_WORKDIR.value, "answers.jsonl")
+  rows = [json.loads(l) for l in open(path, encoding="utf-8")]
+  if len(rows) > 1:
+    from selforch_jax.decoding.run import figures_line
+    for r in rows[:SHOW_ANSWERS]:
+      print(f"\n### {r['id']}: {clip(r['prompt'], 300, path)}\n{clip(r['text'], SHOW_CHARS, path)}"
+            f"\n{figures_line(r)}")
+    if len(rows) > SHOW_ANSWERS:
+      print(f"\n({len(rows) - SHOW_ANSWERS} more answers in {path})")
+  short = {k: v for k, v in summary.items() if k not in ("config", "pasta")}
+  print("\n" + json.dumps(short, indent=2))
+  print(f"answers: {path}")
   if "pasta" in summary:
     print_pasta(summary["pasta"], os.path.join(_WORKDIR.value, "pasta.jsonl"))
 
 
 def print_pasta(block: dict, path: str) -> None:
   """Print the tagged output and final text of the first PASTA row that forked threads (else
-  the first row), and one summary line."""
+  the first row), whole or marked where cut, and one summary line."""
   with open(path, encoding="utf-8") as f:
     rows = [json.loads(l) for l in f]
   r = next((r for r in rows if r["threads"]), rows[0])
-  print(f"\n### PASTA {r['id']}: {r['prompt'][:200]}\n--- tagged output ({r['threads']} threads, "
-        f"{r['rounds']} rounds):\n{r['raw'][:1500]}\n--- final text:\n{r['text'][:1500]}")
+  print(f"\n### PASTA {r['id']}: {clip(r['prompt'], 300, path)}\n--- tagged output "
+        f"({r['threads']} threads, {r['rounds']} rounds, finish {r['finish_reason']}):\n"
+        f"{clip(r['raw'], SHOW_CHARS, path)}\n--- final text:\n{clip(r['text'], SHOW_CHARS, path)}")
   b = block
   print(f"\nPASTA ({b['adapter']}): {b['n']} AlpacaEval prompts, {b['threads']} threads, "
         f"{b['tokens_per_forward']:.2f} tokens/forward, theoretical speedup "
@@ -74,4 +147,4 @@ def print_pasta(block: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_lib.parse_flags)
+  app.run(main, flags_parser=parse_flags)

@@ -1,12 +1,16 @@
-"""Decode invariants on tiny random models (Llama and Qwen3 layouts)."""
+"""Decode invariants of the engine's AR path on tiny random models (Llama and Qwen3 layouts):
+every answer of a batch equals the answer alone, cached decoding equals the full forward, seeds
+reproduce, stop ids / stop strings / max_new_tokens end rows independently, context check."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from selforch_jax.decoding.generate import Generator
+from selforch_jax.runtime.build import make_engine, pool_pages
+from selforch_jax.runtime.generation import ContextLengthError
 from selforch_jax.runtime.sampling import SamplingParams, sample_token
+from selforch_jax.runtime.schedulers import ar
 from selforch_jax.models.config import get_preset
 from selforch_jax.models.transformer import (KVCache, causal_mask, init_model,
                                              positions_from_valid)
@@ -15,8 +19,14 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13
 
 
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen3"])
-def gen(request):
-  return Generator(init_model(get_preset(request.param), seed=1))
+def model(request):
+  return init_model(get_preset(request.param), seed=1)
+
+
+def gen(model, prompts, max_new_tokens, **kw):
+  """AR decoding of ``prompts`` on a fresh engine sized by the one builder."""
+  engine = make_engine(model, [len(p) for p in prompts], max_new_tokens)
+  return ar.generate(engine, prompts, max_new_tokens=max_new_tokens, **kw), engine
 
 
 def full_logprobs(model, seq):
@@ -26,14 +36,13 @@ def full_logprobs(model, seq):
   return np.asarray(jax.nn.log_softmax(logits[0], -1)), np.asarray(logits[0])
 
 
-def test_cached_decode_equals_full_forward_every_step(gen):
-  from flax import nnx
-  model = nnx.merge(gen.graphdef, gen.state)
-  res, _ = gen.generate(PROMPTS[:1], max_new_tokens=24)
+def test_cached_decode_equals_full_forward_every_step(model):
+  res, _ = gen(model, PROMPTS[:1], 24)
   p = PROMPTS[0]
   seq = p + res[0].token_ids
   lp, logits = full_logprobs(model, seq)
   n = len(res[0].token_ids)
+  assert n == 24 and res[0].finish_reason == "length"
   ref = np.array([lp[len(p) - 1 + i, seq[len(p) + i]] for i in range(n)])
   np.testing.assert_allclose(np.array(res[0].logprobs), ref, atol=1e-5)
   # greedy: each produced token is the argmax of the full forward at that step
@@ -51,46 +60,73 @@ def test_cached_decode_equals_full_forward_every_step(gen):
   np.testing.assert_allclose(np.asarray(lg_last[0, 0]), logits[-1], atol=1e-5)
 
 
-@pytest.mark.parametrize("padding", ["left", "right"])
-def test_padded_batch_equals_solo(gen, padding):
-  batch, _ = gen.generate(PROMPTS, max_new_tokens=16, padding=padding)
+def test_batch_of_different_lengths_equals_each_alone(model):
+  """Several owners in one pool, one engine step per token: each request gets exactly the
+  tokens it gets alone (greedy, float32)."""
+  batch, engine = gen(model, PROMPTS, 16)
+  # one prefill step per prompt, then one step per token while any row is live
+  assert engine.num_steps == len(PROMPTS) + 16 - 1
+  assert max(engine.buckets_used) >= 4   # decode steps ran several rows together
   for i, p in enumerate(PROMPTS):
-    solo, _ = gen.generate([p], max_new_tokens=16)
-    assert batch[i].token_ids == solo[0].token_ids, (i, padding)
+    solo, _ = gen(model, [p], 16)
+    assert batch[i].token_ids == solo[0].token_ids, i
     np.testing.assert_allclose(batch[i].logprobs, solo[0].logprobs, atol=1e-5)
+  assert len({tuple(r.token_ids) for r in batch}) > 1   # the rows differ: no row copied another
 
 
-def test_shorter_max_new_tokens_is_prefix(gen):
+def test_shorter_max_new_tokens_is_prefix(model):
   for sp in (SamplingParams(), SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)):
-    long, _ = gen.generate(PROMPTS, max_new_tokens=20, sampling=sp)
-    short, _ = gen.generate(PROMPTS, max_new_tokens=7, sampling=sp)
+    long, _ = gen(model, PROMPTS, 20, sampling=sp)
+    short, _ = gen(model, PROMPTS, 7, sampling=sp)
     for a, b in zip(long, short):
       assert a.token_ids[:7] == b.token_ids
       assert b.finish_reason == "length"
 
 
-def test_same_seed_same_sample_different_seed_differs(gen):
+def test_same_seed_same_sample_different_seed_differs(model):
   sp = SamplingParams(temperature=1.0, seed=3)
-  a, _ = gen.generate(PROMPTS, max_new_tokens=16, sampling=sp)
-  b, _ = gen.generate(PROMPTS, max_new_tokens=16, sampling=sp)
-  c, _ = gen.generate(PROMPTS, max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=4))
+  a, _ = gen(model, PROMPTS, 16, sampling=sp)
+  b, _ = gen(model, PROMPTS, 16, sampling=sp)
+  c, _ = gen(model, PROMPTS, 16, sampling=SamplingParams(temperature=1.0, seed=4))
   assert [r.token_ids for r in a] == [r.token_ids for r in b]
+  np.testing.assert_array_equal(np.concatenate([r.logprobs for r in a]),
+                                np.concatenate([r.logprobs for r in b]))
   assert [r.token_ids for r in a] != [r.token_ids for r in c]
-  greedy, _ = gen.generate(PROMPTS, max_new_tokens=16)
+  greedy, _ = gen(model, PROMPTS, 16)
   assert [r.token_ids for r in a] != [r.token_ids for r in greedy]
 
 
-def test_stop_tokens_end_rows_independently(gen):
-  free, _ = gen.generate(PROMPTS, max_new_tokens=12)
+def test_stop_tokens_end_rows_independently(model):
+  free, _ = gen(model, PROMPTS, 12)
   stop = free[0].token_ids[3]  # a token row 0 produces at step 3
   first = free[0].token_ids.index(stop)
-  res, stats = gen.generate(PROMPTS, max_new_tokens=12, stop_ids=[stop])
+  res, _ = gen(model, PROMPTS, 12, stop_ids=[stop])
   assert res[0].finish_reason == "stop"
   assert res[0].token_ids == free[0].token_ids[:first]
   for r, f in zip(res, free):  # other rows: cut at their own first stop token, or unchanged
     cut = f.token_ids.index(stop) if stop in f.token_ids else len(f.token_ids)
     assert r.token_ids == f.token_ids[:cut]
-  assert stats.decode_tokens_per_s > 0 and stats.prefill_ms > 0
+    assert r.finish_reason == ("stop" if stop in f.token_ids else "length")
+
+
+def test_stop_strings_end_a_row_keeping_the_completing_token(model):
+  free, _ = gen(model, PROMPTS, 12)
+  decode = lambda ids: "".join(f"<{t}>" for t in ids)  # noqa: E731 - one "word" per token
+  target = free[1].token_ids[4]
+  stop = f"<{target}>"
+  streamed = []
+  res, _ = gen(model, PROMPTS, 12, stop_strings=[stop], decode=decode,
+               on_token=lambda r, t: streamed.append((r, t)))
+  k = free[1].token_ids.index(target)
+  assert res[1].token_ids == free[1].token_ids[:k + 1] and res[1].finish_reason == "stop"
+  for r, f in zip(res, free):
+    cut = f.token_ids.index(target) + 1 if target in f.token_ids else len(f.token_ids)
+    assert r.token_ids == f.token_ids[:cut]
+  # the streaming callback saw every kept token of every row, in order
+  for i, r in enumerate(res):
+    assert [t for row, t in streamed if row == i] == r.token_ids
+  with pytest.raises(ValueError, match="decode"):
+    ar.ARScheduler(PROMPTS, 4, stop_strings=["x"])
 
 
 def test_sampling_filters():
@@ -107,16 +143,24 @@ def test_sampling_filters():
     SamplingParams(top_p=0.0)
 
 
-def test_bad_inputs(gen):
-  ctx = gen.cfg.max_position_embeddings
-  with pytest.raises(ValueError, match="context length"):
-    gen.generate([[1] * (ctx - 3)], max_new_tokens=8)
+def test_context_length_and_bad_inputs(model):
+  assert model.cfg.max_position_embeddings == 512
+  with pytest.raises(ContextLengthError, match=r"520 tokens; with max_new_tokens=4 .* 512"):
+    gen(model, [[1] * 520], 4)
+  engine = make_engine(model, [8], 4)
+  with pytest.raises(ContextLengthError, match="524 > the model's context of 512"):
+    ar.generate(engine, [[1] * 520], max_new_tokens=4)   # the engine path checks too
   with pytest.raises(ValueError, match="empty"):
-    gen.generate([[]], max_new_tokens=8)
-  with pytest.raises(ValueError, match="outside"):
-    gen.generate([[gen.cfg.vocab_size]], max_new_tokens=8)
-  with pytest.raises(ValueError, match="padding"):
-    gen.generate([[1]], max_new_tokens=8, padding="middle")
+    ar.generate(engine, [[]], max_new_tokens=8)
+  with pytest.raises(ValueError, match="token ids"):
+    ar.generate(engine, [[model.cfg.vocab_size]], max_new_tokens=2)
+
+
+def test_pool_pages_rule():
+  assert pool_pages([16, 17], 16, 16) == 2 + 3           # ceil(32/16) + ceil(33/16)
+  assert pool_pages(10, 6, 16, threads=4, extra_tokens=64) == 5 + 4   # ceil(80/16) + 4
+  with pytest.raises(ValueError, match="at least one"):
+    pool_pages([], 4)
 
 
 def test_bfloat16_compute_close_to_float32():
@@ -145,8 +189,9 @@ def test_decode_config_validation():
   with pytest.raises(config_lib.ConfigError, match="sampling.temprature"):
     validate(c)
   c = defaults()
-  c.padding = "middle"
-  with pytest.raises(config_lib.ConfigError, match="padding"):
+  assert "padding" not in c   # batching is exact on the engine: no padding to choose
+  c.runtime = "beam"
+  with pytest.raises(config_lib.ConfigError, match="valid: ar, pasta"):
     validate(c)
   c = defaults()
   c.model.weights = "/nonexistent/model.gguf"
@@ -186,8 +231,12 @@ def test_decode_run_checks_prompts_first_and_keeps_previous_output(tmp_path):
   s = run(c, wd, prompt="Name three colors.")
   assert s["prompts"] == 1 and s["config"]["sampling"]["temperature"] == 0.0
   good = open(tmp_path / "answers.jsonl").read()
-  assert json.loads(good)["prompt"] == "Name three colors."
-  with pytest.raises(config_lib.ConfigError, match="context length"):
+  row = json.loads(good)
+  assert row["prompt"] == "Name three colors." and len(row["token_ids"]) == 4
+  assert row["finish_reason"] == "length" and row["forwards"] == 4
+  assert row["tokens_per_forward"] == 1.0 and row["wall_s"] > 0
+  from selforch_jax.runtime.generation import ContextLengthError
+  with pytest.raises(ContextLengthError, match="context of 2048"):
     run(c, wd, prompt="word " * 3000)
   assert open(tmp_path / "answers.jsonl").read() == good  # the earlier run survives
   c.sampling.top_p = 1.5

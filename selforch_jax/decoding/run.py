@@ -1,12 +1,18 @@
-"""The decode run behind ``python -m selforch_jax.decode``: config schema, validation,
-batching prompts through :class:`~selforch_jax.decoding.generate.Generator`, writing JSONL.
+"""The decode run behind ``python -m selforch_jax.decode``: config schema, validation, decoding
+prompts with any runtime through :func:`selforch_jax.api.decode_ids` (the engine), writing JSONL.
 
-With ``pasta.adapter`` set (a PASTA adapter directory, :mod:`selforch_jax.adapter`), the run then
-decodes ``pasta.alpaca_eval`` AlpacaEval prompts (from index ``pasta.offset``; AlpacaEval never
-enters PASTA training, ``data/pasta/PROVENANCE.md``) with the adapter's model, batch 1, greedy,
-twice on one engine: PASTA (:mod:`selforch_jax.runtime.schedulers.pasta`) and plain AR, both timed after
-every step size is compiled. It writes ``pasta.jsonl`` (one row per prompt, :func:`run_pasta_part`)
-and a ``pasta`` block in ``summary.json``.
+``config.runtime`` picks the system (:data:`selforch_jax.api.RUNTIMES`: ``ar``, ``pasta``,
+``tip``, ``sot``, ``apar``, ``streaming_llm``, ``h2o``); ``config.adapter`` loads an adapter
+directory (:mod:`selforch_jax.adapter`; ``pasta`` defaults to ``adapters/pasta_smollm2_135m``
+when present, ``tip`` needs one). Every row of ``answers.jsonl`` has ``text``, ``token_ids``,
+``finish_reason``, ``forwards``, ``tokens_per_forward``, ``wall_s`` and the runtime's own figures.
+
+With ``pasta.adapter`` set (a PASTA adapter directory), the run then decodes ``pasta.alpaca_eval``
+AlpacaEval prompts (from index ``pasta.offset``; AlpacaEval never enters PASTA training,
+``data/pasta/PROVENANCE.md``) with the adapter's model, batch 1, greedy, twice on one engine:
+PASTA (:mod:`selforch_jax.runtime.schedulers.pasta`) and plain AR, both timed after every step
+size is compiled. It writes ``pasta.jsonl`` (one row per prompt, :func:`run_pasta_part`) and a
+``pasta`` block in ``summary.json``.
 """
 
 from __future__ import annotations
@@ -20,39 +26,105 @@ import ml_collections
 
 from selforch_jax import config_lib
 
+# one line per config key (``--help`` lists them with their defaults)
+HELP = {
+    "runtime": "decoding system: ar, pasta, tip, sot, apar, streaming_llm, h2o",
+    "adapter": "adapter directory to load (pasta: default adapters/pasta_smollm2_135m; tip needs one)",
+    "inputs": "dataset prompts, e.g. 'alpaca_eval:20,gsm8k:10' (first N test rows of each)",
+    "system_prompt": "optional system turn before every prompt",
+    "chat": "apply the model's chat template",
+    "max_new_tokens": "tokens per answer (pasta / tip: tags included)",
+    "batch_size": "prompts decoded together in one engine job",
+    "page_size": "KV pool page size (tokens)",
+    "stop": "stop strings separated by '|' (the text is cut before the first one)",
+    "budget": "streaming_llm / h2o: live KV tokens per request",
+    "sampling.temperature": "0 = greedy",
+    "sampling.top_k": "keep the k most likely tokens (0 = off)",
+    "sampling.top_p": "nucleus mass (1 = off)",
+    "sampling.min_p": "keep tokens with p >= min_p * p_max (0 = off)",
+    "sampling.seed": "PRNG seed (same seed, same sample)",
+    "sot.skeleton_tokens": "SoT: skeleton budget",
+    "sot.point_tokens": "SoT: budget per point expansion",
+    "sot.max_points": "SoT: most points expanded",
+    "apar.child_tokens": "APAR: budget of one forked item",
+    "apar.max_forks": "APAR: most forks per answer",
+    "pasta.adapter": "demo part: PASTA adapter decoding AlpacaEval prompts after the main run ('' = off)",
+    "pasta.alpaca_eval": "demo part: AlpacaEval prompts",
+    "pasta.offset": "demo part: first AlpacaEval row",
+    "pasta.max_new_tokens": "demo part: tokens per answer",
+    "pasta.cap": "pasta: floor of a thread's token budget",
+    "pasta.constrain_tags": "pasta: sample under the tag grammar",
+    "pasta.max_threads": "pasta: most threads one answer may fork (with constrain_tags)",
+    "pasta.max_topic_tokens": "pasta: promise topic tokens before its length is forced (0 = off)",
+}
+
 
 def defaults() -> ml_collections.ConfigDict:
-  """All keys of a decode config, with their default values and types."""
+  """All keys of a decode config, with their default values and types (:data:`HELP`)."""
+  from selforch_jax.runtime.schedulers.pasta import DEFAULT_MAX_THREADS, DEFAULT_MAX_TOPIC_TOKENS
   return ml_collections.ConfigDict(dict(
       model=config_lib.model_defaults(),
+      runtime="ar",
+      adapter="",
       inputs="",             # e.g. "alpaca_eval:20,gsm8k:10"
       system_prompt="",      # optional system turn
       chat=True,             # apply the model's chat template
       max_new_tokens=128,
       batch_size=8,
-      padding="left",
-      sampling=dict(temperature=0.0, top_k=0, top_p=1.0, seed=0),
-      # PASTA parallel decoding after the base part; adapter "" = off
+      page_size=16,
+      stop="",
+      budget=256,
+      sampling=dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0),
+      sot=dict(skeleton_tokens=96, point_tokens=64, max_points=10),
+      apar=dict(child_tokens=64, max_forks=8),
+      # PASTA options (runtime=pasta and the demo's PASTA part); pasta.adapter "" = no part
       pasta=dict(adapter="", alpaca_eval=6, offset=0, max_new_tokens=256, cap=256,
-                 constrain_tags=True, max_threads=16, max_topic_tokens=12),
+                 constrain_tags=True, max_threads=DEFAULT_MAX_THREADS,
+                 max_topic_tokens=DEFAULT_MAX_TOPIC_TOKENS),
   ))
+
+
+def help_text(config: ml_collections.ConfigDict | None = None) -> str:
+  """Every config key with its value in ``config`` (default: :func:`defaults`) and one line."""
+  c = config if config is not None else defaults()
+  lines = []
+
+  def walk(d, prefix):
+    for k in d.keys():
+      v = d[k]
+      name = prefix + k
+      if isinstance(v, ml_collections.ConfigDict):
+        walk(v, name + ".")
+      else:
+        doc = HELP.get(name) or ("model section: " + name[len("model."):]
+                                 if name.startswith("model.") else "")
+        lines.append(f"  --config.{name}={v!r}  {doc}".rstrip())
+
+  walk(c, "")
+  return "\n".join(lines)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Validate a decode config before any work. Raises ``config_lib.ConfigError``."""
+  from selforch_jax import api
   config_lib.validate(config, defaults())
   config_lib.validate_model(config.model)
+  if config.runtime not in api.RUNTIMES:
+    raise config_lib.ConfigError(f"runtime={config.runtime!r} is unknown; valid: "
+                                 f"{', '.join(api.RUNTIMES)}")
   if config.max_new_tokens < 1:
     raise config_lib.ConfigError("max_new_tokens must be >= 1")
-  if config.batch_size < 1:
-    raise config_lib.ConfigError("batch_size must be >= 1")
-  if config.padding not in ("left", "right"):
-    raise config_lib.ConfigError(f"padding={config.padding!r} must be 'left' or 'right'")
+  if config.batch_size < 1 or config.page_size < 1 or config.budget < 1:
+    raise config_lib.ConfigError("batch_size, page_size and budget must be >= 1")
   from selforch_jax.runtime.sampling import SamplingParams
   try:
     SamplingParams(**config.sampling.to_dict())
   except ValueError as e:
     raise config_lib.ConfigError(f"sampling: {e}") from None
+  try:
+    api.resolve_adapter(config.runtime, config.adapter, config.model.preset)
+  except api.ApiError as e:
+    raise config_lib.ConfigError(str(e)) from None
   pc = config.pasta
   if pc.adapter:
     from selforch_jax.adapter import CONFIG_FILE, is_adapter_dir
@@ -64,42 +136,90 @@ def validate(config: ml_collections.ConfigDict) -> None:
       if not json.load(f)["model"].get("tags", False):
         raise config_lib.ConfigError(f"pasta.adapter={pc.adapter!r} was trained without the "
                                      "orchestration tags (model.tags=False): it cannot plan")
-    if (min(pc.alpaca_eval, pc.max_new_tokens, pc.cap, pc.max_threads) < 1
-        or min(pc.offset, pc.max_topic_tokens) < 0):
-      raise config_lib.ConfigError("pasta.alpaca_eval, pasta.max_new_tokens, pasta.cap and "
-                                   "pasta.max_threads must be >= 1, pasta.offset and "
-                                   "pasta.max_topic_tokens >= 0")
+  if (min(pc.alpaca_eval, pc.max_new_tokens, pc.cap, pc.max_threads) < 1
+      or min(pc.offset, pc.max_topic_tokens) < 0):
+    raise config_lib.ConfigError("pasta.alpaca_eval, pasta.max_new_tokens, pasta.cap and "
+                                 "pasta.max_threads must be >= 1, pasta.offset and "
+                                 "pasta.max_topic_tokens >= 0")
+
+
+def check_workdir(workdir: str) -> None:
+  """Refuse a workdir that is a file or cannot be written (nothing is created here).
+
+  Raises:
+    ConfigError: naming the path.
+  """
+  if not workdir:
+    raise config_lib.ConfigError("--workdir is empty")
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise config_lib.ConfigError(f"workdir {workdir!r} is a file, not a directory")
+  probe = os.path.abspath(workdir)
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+    raise config_lib.ConfigError(f"workdir {workdir!r} is not writable ({probe} does not allow "
+                                 "creating files)")
+
+
+def options(config: ml_collections.ConfigDict) -> dict:
+  """The runtime's own options from a decode config (:func:`selforch_jax.api.decode_ids`)."""
+  rt = config.runtime
+  if rt == "pasta":
+    from selforch_jax.eval.pasta import pasta_options
+    return dict(pasta_options(config.pasta), cap=int(config.pasta.cap))
+  if rt == "sot":
+    return dict(config.sot.to_dict())
+  if rt == "apar":
+    return dict(config.apar.to_dict())
+  if rt in ("streaming_llm", "h2o"):
+    return {"budget": int(config.budget)}
+  return {}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
-        prompts_file: str = "") -> dict:
-  """Decode every prompt and write ``answers.jsonl`` + ``summary.json`` under ``workdir``.
+        prompts_file: str = "", stream=None) -> dict:
+  """Decode every prompt with ``config.runtime`` and write ``answers.jsonl`` + ``summary.json``.
 
-  Every prompt is encoded and checked against the context length before anything is
-  written; answers stream to ``answers.jsonl.partial``, which replaces ``answers.jsonl``
-  (and the summary) only when the run completes, so a failed or interrupted run never
-  destroys an earlier run's output. With ``config.pasta.adapter`` set, the PASTA part
-  (:func:`run_pasta_part`) follows and writes ``pasta.jsonl`` the same way; its prompts are
-  loaded, and the adapter checked, before any model is.
+  Every check (config, workdir, prompts, adapter) runs before any model loads, and every prompt
+  is encoded and checked against the context length before anything is written; answers stream
+  to ``answers.jsonl.partial``, which replaces ``answers.jsonl`` (and the summary) only when the
+  run completes, so a failed or interrupted run never destroys an earlier run's output. With
+  ``config.pasta.adapter`` set, the PASTA part (:func:`run_pasta_part`) follows and writes
+  ``pasta.jsonl`` the same way.
+
+  Args:
+    stream: a text file (e.g. ``sys.stdout``): with a single prompt, its answer is written there
+      as it is decoded (token by token for AR-like runtimes), then the row's figures.
 
   Returns:
     the summary dict.
+
+  Raises:
+    ConfigError: a bad config, workdir, prompt or adapter (before any model loads).
+    ContextLengthError: a prompt longer than the model's context (before any output).
   """
   from tqdm import tqdm
 
-  from selforch_jax.decoding.generate import Generator
+  from selforch_jax import api
   from selforch_jax.decoding.prompts import load_prompts
+  from selforch_jax.runtime.generation import check_context
   from selforch_jax.runtime.sampling import SamplingParams
 
   validate(config)
+  if prompt and prompts_file:
+    raise config_lib.ConfigError("give --prompt or --prompts_file, not both")
+  if prompt is not None and prompt != "" and not prompt.strip():
+    raise config_lib.ConfigError("--prompt is empty (whitespace only)")
+  check_workdir(workdir)
   items = load_prompts(config.inputs, prompts_file, prompt)
+  for it in items:
+    if not any(m["content"].strip() for m in it["messages"] if m["role"] == "user"):
+      raise config_lib.ConfigError(f"prompt {it['id']} is empty")
   pasta_items = pasta_prompts(config.pasta) if config.pasta.adapter else None
   sampling = SamplingParams(**config.sampling.to_dict())
   t0 = time.perf_counter()
-  cfg, model, tok = config_lib.load_model(config.model)
+  model, tok, tv, _ = api.load(config, config.adapter or None, config.runtime)
   load_s = time.perf_counter() - t0
-  if tok is None:
-    raise config_lib.ConfigError("model.weights has no tokenizer; decode needs GGUF or an HF dir")
   # encode and check every prompt before any output is written (a bad prompt loses nothing)
   encoded = []
   for it in items:
@@ -108,52 +228,74 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
       msgs = [{"role": "system", "content": config.system_prompt}] + msgs
     ids = (tok.encode_chat(msgs, add_generation_prompt=True) if config.chat
            else tok.encode("\n".join(m["content"] for m in msgs)))
-    if len(ids) + config.max_new_tokens > cfg.max_position_embeddings:
-      raise config_lib.ConfigError(
-          f"prompt {it['id']} has {len(ids)} tokens; with max_new_tokens={config.max_new_tokens} "
-          f"it exceeds the model's context length of {cfg.max_position_embeddings} tokens")
     encoded.append(ids)
-  gen = Generator(model)
+  check_context([len(p) for p in encoded], config.max_new_tokens,
+                model.cfg.max_position_embeddings)
   os.makedirs(workdir, exist_ok=True)
-  stop_ids = tok.stop_ids
-  rows, all_stats = [], []
-  bs = config.batch_size
+  stop = tuple(s for s in config.stop.split("|") if s)
+  streaming = stream is not None and len(items) == 1
+  shown: dict = {"ids": [], "text": ""}
+
+  def on_token(i, t):
+    shown["ids"].append(int(t))
+    text = tok.decode(shown["ids"], skip_special_tokens=True)
+    stream.write(text[len(shown["text"]):] if text.startswith(shown["text"]) else "")
+    stream.flush()
+    shown["text"] = text
+
+  rows = []
   t_start = time.perf_counter()
   answers = os.path.join(workdir, "answers.jsonl")
+  opts = options(config)
+  bs = config.batch_size
+  if streaming:
+    stream.write(f"### {items[0]['id']} ({config.runtime}): {items[0]['messages'][-1]['content']}\n")
+    stream.flush()
   with open(answers + ".partial", "w", encoding="utf-8") as f:
-    for start in tqdm(range(0, len(items), bs), desc="decode", unit="batch", file=sys.stderr):
+    for start in tqdm(range(0, len(items), bs), desc=f"decode ({config.runtime})", unit="batch",
+                      file=sys.stderr, disable=streaming):
       batch, ids = items[start:start + bs], encoded[start:start + bs]
-      results, stats = gen.generate(ids, max_new_tokens=config.max_new_tokens, sampling=sampling,
-                                    stop_ids=stop_ids, padding=config.padding, pad_id=tok.pad_id)
-      all_stats.append(stats)
-      for it, p, r in zip(batch, ids, results):
+      res = api.decode_ids(model, tok, ids, runtime=config.runtime,
+                           max_new_tokens=config.max_new_tokens, sampling=sampling, stop=stop,
+                           tag_vocab=tv, questions=[it["messages"][-1]["content"] for it in batch],
+                           page_size=config.page_size, options=opts,
+                           on_token=on_token if streaming else None)
+      for it, p, a in zip(batch, ids, res):
         row = {"id": it["id"], "source": it["source"], "prompt": it["messages"][-1]["content"],
-               "text": tok.decode(r.token_ids, skip_special_tokens=True),
-               "token_ids": r.token_ids, "logprobs": [round(x, 5) for x in r.logprobs],
-               "finish_reason": r.finish_reason, "prompt_tokens": len(p),
-               "reference": it.get("reference")}
+               "runtime": config.runtime, "text": a.text, "token_ids": a.token_ids,
+               "logprobs": [round(x, 5) for x in a.logprobs],
+               "finish_reason": a.finish_reason, "forwards": a.forwards,
+               "tokens_per_forward": round(a.tokens_per_forward, 4),
+               "wall_s": round(a.wall_s, 4), "prompt_tokens": len(p),
+               "reference": it.get("reference"), **a.figures}
         rows.append(row)
         f.write(json.dumps(row, ensure_ascii=False) + "\n")
         f.flush()
-  decode_s = sum(s.decode_s for s in all_stats)
-  decode_tokens = sum(max(s.new_tokens - s.batch, 0) for s in all_stats)
+        if streaming:
+          if shown["text"] != a.text:   # runtimes without token streaming, or a stop-string cut
+            stream.write(a.text if not shown["text"] else f"\n--- final text:\n{a.text}")
+          stream.write("\n\n" + figures_line(row) + "\n")
+          stream.flush()
+  wall = time.perf_counter() - t_start
+  new_tokens = sum(len(r["token_ids"]) for r in rows)
   summary = {
       "prompts": len(rows),
+      "runtime": config.runtime,
+      "adapter": config.adapter or None,
       "config": config.to_dict(),
       "prompts_file": prompts_file or None,
-      "wall_s": round(time.perf_counter() - t_start, 3),
+      "wall_s": round(wall, 3),
       "load_s": round(load_s, 3),
-      "compile_s": round(sum(s.compile_s for s in all_stats), 3),
-      "prefill_ms_mean": round(sum(s.prefill_ms for s in all_stats) / len(all_stats), 2),
-      "decode_s": round(decode_s, 3),
-      "new_tokens": sum(s.new_tokens for s in all_stats),
-      "decode_tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s else 0.0,
+      "new_tokens": new_tokens,
+      "tokens_per_s": round(new_tokens / wall, 2) if wall > 0 else 0.0,
+      "forwards": sum(r["forwards"] for r in rows),
       "batch_size": bs,
-      "finish_reasons": {k: sum(r["finish_reason"] == k for r in rows) for k in ("stop", "length")},
+      "finish_reasons": {k: sum(r["finish_reason"] == k for r in rows)
+                         for k in ("stop", "length", "degraded")},
   }
   pasta_rows = os.path.join(workdir, "pasta.jsonl")
   if pasta_items is not None:
-    del gen, model
+    del model
     summary["pasta"] = run_pasta_part(config.pasta, pasta_items, pasta_rows + ".partial")
   with open(os.path.join(workdir, "summary.json.partial"), "w") as f:
     json.dump(summary, f, indent=2)
@@ -163,6 +305,20 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
     os.replace(pasta_rows + ".partial", pasta_rows)
   os.replace(os.path.join(workdir, "summary.json.partial"), os.path.join(workdir, "summary.json"))
   return summary
+
+
+def figures_line(row: dict) -> str:
+  """One line of a row's figures: finish reason, tokens, forwards, tokens/forward, wall, and
+  the runtime's own figures."""
+  core = (f"[{row['runtime']}] finish={row['finish_reason']} tokens={len(row['token_ids'])} "
+          f"forwards={row['forwards']} tokens/forward={row['tokens_per_forward']:.2f} "
+          f"wall={row['wall_s']:.2f}s")
+  known = {"id", "source", "prompt", "runtime", "text", "token_ids", "logprobs",
+           "finish_reason", "forwards", "tokens_per_forward", "wall_s", "prompt_tokens",
+           "reference"}
+  extra = " ".join(f"{k}={v}" for k, v in row.items() if k not in known and k != "degraded")
+  deg = row.get("degraded")
+  return core + (f" {extra}" if extra else "") + (f" degraded={len(deg)} rule(s)" if deg else "")
 
 
 def pasta_prompts(pc: ml_collections.ConfigDict) -> list[dict]:
@@ -210,8 +366,10 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
 
   from tqdm import tqdm
 
-  from selforch_jax.eval.pasta import (make_engine, pasta_constraint_ids, pasta_options,
-                                       pasta_pool_slots, run_ar, run_pasta, warm_up)
+  from selforch_jax.eval.pasta import (pasta_constraint_ids, pasta_options, run_ar, run_pasta,
+                                       warm_up)
+  from selforch_jax.runtime.build import DEFAULT_PAGE_SIZE, make_engine
+  from selforch_jax.runtime.schedulers.pasta import POOL_TAG_TOKENS
   from selforch_jax.eval.run import load_finetuned
   from selforch_jax.lang import TagVocab
 
@@ -220,10 +378,12 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
   tv = TagVocab.from_tokenizer(tok)
   load_s = time.perf_counter() - t0
   prompts = [tok.encode_chat(it["messages"], add_generation_prompt=True) for it in items]
-  P, ps = max(len(p) for p in prompts), 16
+  P, ps = max(len(p) for p in prompts), DEFAULT_PAGE_SIZE
   # a thread's pages are its own: spare pages for the partial last page of each thread
   opts = pasta_options(pc)
-  engine = make_engine(model, pasta_pool_slots(P, pc.max_new_tokens, ps, opts, 16), ps)
+  engine = make_engine(model, P, pc.max_new_tokens, page_size=ps,
+                       threads=int(opts.get("max_threads") or pc.max_threads),
+                       extra_tokens=POOL_TAG_TOKENS)
   t0 = time.perf_counter()
   warm_up(engine, max(P, 64), pasta_constraint_ids(tv, tok, opts))
   run_pasta(engine, tok, tv, prompts[0], 8, pc.cap, **opts)

@@ -43,13 +43,14 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from selforch_jax.runtime.generation import GenerationResult
 from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.runtime.engine import Engine
 from selforch_jax.runtime.sampling import sample_rows
-from selforch_jax.runtime.registry import fresh_bases
+from selforch_jax.runtime.registry import fresh_bases, register
 from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run
 
-__all__ = ["ITEM_START", "APARScheduler", "APARResult", "apar_generate"]
+__all__ = ["ITEM_START", "APARScheduler", "APARResult", "apar_generate", "APARBatch"]
 
 ITEM_START = re.compile(r"\n[ \t]*(?:\d+[.)]|[-*\u2022])[ \t]*$")
 
@@ -261,3 +262,68 @@ def apar_generate(engine: Engine, prompt: Sequence[int], tokenizer: Any, *, max_
   for o in sched.owners:
     engine.pool.free_owner(int(o))
   return sched.result
+
+
+class APARBatch(Scheduler):
+  """APAR for a batch of prompts (the registry's ``"apar"``): one :class:`APARScheduler` per
+  prompt, run one after the other on the same engine (each frees its pages when it ends).
+
+  Args:
+    engine: the engine. prompts: B non-empty lists of int token ids.
+    tokenizer, max_new_tokens, **kw: as :class:`APARScheduler`.
+
+  After :func:`run`: :attr:`results` (one :class:`GenerationResult` per prompt: tree-order
+  ``token_ids``, no log-probs), :attr:`apar` (the :class:`APARResult` of each), :attr:`owners`.
+
+  Raises:
+    ValueError: no prompt (or as :class:`APARScheduler`).
+  """
+
+  def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]], tokenizer: Any,
+               max_new_tokens: int, **kw):
+    if not prompts:
+      raise ValueError("APARBatch needs at least one prompt")
+    self.engine, self.prompts, self.tok = engine, [list(p) for p in prompts], tokenizer
+    self.max_new, self.kw = int(max_new_tokens), kw
+    self.owners: list[int] = []
+    self.apar: list[APARResult] = []
+    self.results: list[GenerationResult] | None = None
+    self._cur: APARScheduler | None = None
+
+  def _start(self, i: int) -> None:
+    owner_base, segment_base = fresh_bases(self.engine)
+    self._cur = APARScheduler(self.prompts[i], self.tok, self.max_new, owner_base=owner_base,
+                              segment_base=segment_base, **self.kw)
+
+  def next_step(self) -> StepPlan | None:
+    while self.results is None:
+      if self._cur is None:
+        self._start(len(self.apar))
+      plan = self._cur.next_step()
+      if plan is not None:
+        return plan
+      self.apar.append(self._cur.result)
+      for o in self._cur.owners:
+        self.engine.pool.free_owner(int(o))
+      self.owners += [int(o) for o in self._cur.owners]
+      self._cur = None
+      if len(self.apar) == len(self.prompts):
+        self.results = [GenerationResult(list(r.token_ids), [], r.finish_reason)
+                        for r in self.apar]
+    return None
+
+  def on_step(self, plan: StepPlan, result: StepResult) -> None:
+    self._cur.on_step(plan, result)
+
+
+@register("apar")
+def _apar(engine: Engine, prompts: Sequence[Sequence[int]], *, tokenizer: Any = None,
+          tag_vocab=None, max_new_tokens: int = 256, **kw) -> Scheduler:
+  """APAR-style decoding (:class:`APARBatch`); needs ``tokenizer``; takes ``max_new_tokens``,
+  ``child_tokens``, ``max_forks``, ``sampling``, ``stop_ids``; ``tag_vocab`` is unused.
+
+  Raises:
+    ValueError: no tokenizer."""
+  if tokenizer is None:
+    raise ValueError("the 'apar' scheduler needs tokenizer= (it reads item starts as text)")
+  return APARBatch(engine, prompts, tokenizer, max_new_tokens, **kw)

@@ -74,7 +74,13 @@ from selforch_jax.runtime.registry import fresh_bases, register
 from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run
 
 __all__ = ["PASTAScheduler", "PastaStats", "sample_rows", "grammar_ids", "constraint_ids",
-           "tag_grammar", "generate"]
+           "tag_grammar", "generate", "DEFAULT_MAX_THREADS", "DEFAULT_MAX_TOPIC_TOKENS",
+           "POOL_TAG_TOKENS"]
+
+# Defaults of the decode CLI / demo / PO rollouts under the tag grammar (one place).
+DEFAULT_MAX_THREADS = 16       # most threads one answer may fork (``max_threads``)
+DEFAULT_MAX_TOPIC_TOKENS = 12  # most tokens of a promise topic before its length is forced
+POOL_TAG_TOKENS = 64           # pool slots per answer for runtime-fed tags (<async>, <sync/>)
 
 
 def constraint_ids(tv: TagVocab, stop_ids: Sequence[int] = (),

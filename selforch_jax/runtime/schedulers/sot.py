@@ -32,14 +32,15 @@ import re
 import time
 from typing import Any, Sequence
 
+from selforch_jax.runtime.generation import GenerationResult
 from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.runtime.schedulers.ar import ARScheduler
 from selforch_jax.runtime.engine import Engine
-from selforch_jax.runtime.registry import fresh_bases
-from selforch_jax.runtime.scheduler import run
+from selforch_jax.runtime.registry import fresh_bases, register
+from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run
 
 __all__ = ["SKELETON_PROMPT", "POINT_PROMPT", "parse_points", "point_prompts", "expand_points",
-           "SoTResult", "skeleton_of_thought"]
+           "SoTResult", "skeleton_of_thought", "SoTScheduler"]
 
 # Ning et al. 2023, Appendix A (skeleton and point-expanding prompt templates).
 SKELETON_PROMPT = (
@@ -190,3 +191,143 @@ def expand_points(engine: Engine, tokenizer: Any, question: str, points: Sequenc
     parts.append(f"{i + 1}. {p}" + tokenizer.decode(r.token_ids, skip_special_tokens=True))
     tokens += len(r.token_ids) + (r.finish_reason == "stop")
   return parts, tokens, steps
+
+
+class SoTScheduler(Scheduler):
+  """Skeleton-of-Thought for a batch of questions as one scheduler (the registry's ``"sot"``).
+
+  Stage 1 decodes every question's skeleton as one AR batch; stage 2 expands every parsed point
+  of every question as one AR batch (the same prompts and rules as :func:`skeleton_of_thought`).
+  A question whose skeleton has no numbered point is answered by its skeleton (finish reason
+  ``"degraded"``: SoT's fallback).
+
+  Args:
+    engine: the engine (the stage-1 sequences are released before stage 2 starts).
+    tokenizer: a tokenizer with a chat template (``encode_chat``, ``encode``, ``decode``).
+    questions: B user instructions (SoT writes its own prompts around them).
+    skeleton_tokens / point_tokens / max_points: as :func:`skeleton_of_thought`.
+    sampling: :class:`SamplingParams` of both stages. stop_ids: default ``tokenizer.stop_ids``.
+
+  After :func:`run`: :attr:`results` (one :class:`GenerationResult` per question: ``token_ids``
+  = ``tokenizer.encode`` of the final text, no log-probs; ``finish_reason`` ``"stop"`` when every
+  point (or the skeleton) ended at a stop id, ``"length"`` when one was cut, ``"degraded"``
+  without a parsed point), :attr:`texts` (final texts), :attr:`stats` (per question: ``points``,
+  ``tokens`` generated, ``forwards`` engine steps that ran a token of it, ``parsed``),
+  :attr:`owners`.
+
+  Raises:
+    ValueError: no question, or an empty one.
+  """
+
+  def __init__(self, engine: Engine, tokenizer: Any, questions: Sequence[str], *,
+               skeleton_tokens: int = 96, point_tokens: int = 64, max_points: int = 10,
+               sampling: SamplingParams = SamplingParams(),
+               stop_ids: Sequence[int] | None = None):
+    if not questions or any(not str(q).strip() for q in questions):
+      raise ValueError("SoTScheduler needs at least one question, none empty")
+    self.engine, self.tok = engine, tokenizer
+    self.questions = [str(q) for q in questions]
+    self.point_tokens, self.max_points = int(point_tokens), int(max_points)
+    self.sampling = sampling
+    self.stops = tuple(tokenizer.stop_ids if stop_ids is None else stop_ids)
+    B = len(self.questions)
+    self.owners: list[int] = []
+    self.forwards = [0] * B
+    self.tokens = [0] * B
+    self.stage = 1
+    self.results: list[GenerationResult] | None = None
+    self.texts: list[str] | None = None
+    self.stats: list[dict] | None = None
+    self._inner = self._ar([_chat(tokenizer, SKELETON_PROMPT.format(question=q), "1.")
+                            for q in self.questions], skeleton_tokens)
+    self._row_req = list(range(B))
+
+  def _ar(self, prompts, max_new) -> ARScheduler:
+    owner_base, segment_base = fresh_bases(self.engine)
+    s = ARScheduler(prompts, max_new, self.sampling, self.stops, owner_base=owner_base,
+                    segment_base=segment_base)
+    self.owners += [int(o) for o in s.owners]
+    return s
+
+  def next_step(self) -> StepPlan | None:
+    while self.results is None:
+      plan = self._inner.next_step()
+      if plan is not None:
+        return plan
+      if self.stage == 1:
+        self._start_points()
+      else:
+        self._finalize()
+    return None
+
+  def on_step(self, plan: StepPlan, result: StepResult) -> None:
+    self._inner.on_step(plan, result)
+    for q in {self._row_req[r] for r in plan.tag[1]}:
+      self.forwards[q] += 1
+
+  def _start_points(self) -> None:
+    for o in self._inner.owners:
+      self.engine.pool.free_owner(int(o))
+    self.skeletons, self.points, self._sk_reason = [], [], []
+    prompts, self._row_req, self._point_of = [], [], []
+    for q, (question, r) in enumerate(zip(self.questions, self._inner.results)):
+      sk = "1." + self.tok.decode(r.token_ids, skip_special_tokens=True)
+      pts = parse_points(sk, self.max_points)
+      self.tokens[q] += len(r.token_ids) + (r.finish_reason == "stop")
+      self.skeletons.append(sk)
+      self.points.append(pts)
+      self._sk_reason.append(r.finish_reason)
+      if pts:
+        for k, pp in enumerate(point_prompts(self.tok, question, pts)):
+          prompts.append(pp)
+          self._row_req.append(q)
+          self._point_of.append(k)
+    self.stage = 2
+    if not prompts:
+      self._finalize()
+      return
+    self._inner = self._ar(prompts, self.point_tokens)
+
+  def _finalize(self) -> None:
+    B = len(self.questions)
+    parts = [[] for _ in range(B)]
+    reasons = [[] for _ in range(B)]
+    if self.stage == 2 and self._inner.results is not None and self._row_req:
+      for q, k, r in zip(self._row_req, self._point_of, self._inner.results):
+        parts[q].append(f"{k + 1}. {self.points[q][k]}"
+                        + self.tok.decode(r.token_ids, skip_special_tokens=True))
+        reasons[q].append(r.finish_reason)
+        self.tokens[q] += len(r.token_ids) + (r.finish_reason == "stop")
+      for o in self._inner.owners:
+        self.engine.pool.free_owner(int(o))
+    self.texts, self.results, self.stats = [], [], []
+    for q in range(B):
+      if self.points[q]:
+        text = "\n".join(s.rstrip() for s in parts[q])
+        reason = "length" if "length" in reasons[q] else "stop"
+      else:
+        text = self.skeletons[q].strip()
+        reason = "degraded"
+      self.texts.append(text)
+      self.results.append(GenerationResult(list(self.tok.encode(text)), [], reason))
+      self.stats.append(dict(points=len(self.points[q]), tokens=self.tokens[q],
+                             forwards=self.forwards[q], parsed=bool(self.points[q])))
+
+
+@register("sot")
+def _sot(engine: Engine, prompts: Sequence[Sequence[int]], *, tokenizer: Any = None,
+         questions: Sequence[str] | None = None, tag_vocab=None, max_new_tokens: int | None = None,
+         **kw) -> Scheduler:
+  """Skeleton-of-Thought (:class:`SoTScheduler`); needs ``tokenizer`` and ``questions`` (the
+  user instructions; ``prompts`` are not used: SoT writes its own); ``max_new_tokens`` caps
+  ``skeleton_tokens`` and ``point_tokens``; ``tag_vocab`` is accepted and unused.
+
+  Raises:
+    ValueError: no tokenizer, or not one question per prompt."""
+  if tokenizer is None or questions is None or len(questions) != len(prompts):
+    raise ValueError("the 'sot' scheduler needs tokenizer= and questions= (one user "
+                     "instruction per prompt)")
+  if max_new_tokens is not None:
+    kw.setdefault("skeleton_tokens", min(96, int(max_new_tokens)))
+    kw.setdefault("point_tokens", min(64, int(max_new_tokens)))
+  return SoTScheduler(engine, tokenizer, questions, **kw)

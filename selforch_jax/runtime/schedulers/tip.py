@@ -218,5 +218,25 @@ class TIPScheduler(PolicyScheduler):
 def _tip(engine: Engine, prompts: Sequence[Sequence[int]], **kw) -> Scheduler:
   """TIP: AR decoding where reusing a thought register evicts the dead step's KV pages
   (:class:`~selforch_jax.runtime.schedulers.tip.TIPScheduler`; needs ``tag_vocab``, takes
-  ``max_new_tokens``, ``sampling``, ``stop_ids``)."""
-  return TIPScheduler(engine, prompts, **kw)
+  ``max_new_tokens``, ``sampling``, ``stop_ids``, ``stop_strings`` + ``decode``, ``on_token``).
+
+  Raises:
+    ValueError: no ``tag_vocab`` (a TIP model's tags: load its adapter).
+    ContextLengthError: a prompt plus ``max_new_tokens`` exceeds the model's context."""
+  from selforch_jax.runtime.generation import StopStringWatcher, check_context
+  if kw.get("tag_vocab") is None:
+    raise ValueError("the 'tip' scheduler needs tag_vocab= (a model with the thought-register "
+                     "tags, e.g. a TIP adapter)")
+  if "max_new_tokens" in kw:
+    check_context([len(p) for p in prompts], kw["max_new_tokens"],
+                  engine.cfg.max_position_embeddings)
+  stop_strings, decode = tuple(kw.pop("stop_strings", ())), kw.pop("decode", None)
+  on_token = kw.pop("on_token", None)
+  sched = TIPScheduler(engine, prompts, **kw)
+  if stop_strings:
+    if decode is None:
+      raise ValueError("stop_strings need a decode callable (ids -> text)")
+    sched.stop_strings = stop_strings
+    sched.watchers = [StopStringWatcher(decode, stop_strings) for _ in prompts]
+  sched.on_token = on_token
+  return sched
