@@ -257,3 +257,148 @@ def test_plan_groups_respects_dependencies_and_kills():
           assert step_of[readers].max() < step_of[q]
   with pytest.raises(ValueError, match="kill_at"):
     plan_groups(seg, vis, bidir, np.zeros(10, int))
+
+
+def test_relabel_moves_whole_pages_into_the_target_sequence():
+  """A tree step's kept slots join a sequence by page transfer (no K/V copy); the target keeps
+  filling its own last page; foreign slots on moved pages never die with the wrong owner."""
+  pool = KVPool(num_pages=6, page_size=4)
+  seq = pool.allocate(0, 6)                    # pages 0, 1 (slots 4, 5 of page 1)
+  _write(pool, seq)
+  tree = pool.allocate(100, 7)                 # pages 2, 3 (slots 8..14)
+  pool.write(tree, [6, 6, 7, 7, 8, 8, 9], np.arange(1, 8), np.arange(6, 13))
+  live = pool.live_tokens
+  pool.relabel([8, 11], owner=0, segment=0)
+  assert pool.live_tokens == live               # relabel moves no K/V and kills nothing
+  assert pool.page_table(0).tolist() == [0, 2, 1] and pool.page_table(100).tolist() == [3]
+  assert pool.sequence(0).tolist() == [0, 1, 2, 3, 4, 5, 8, 11]
+  assert pool.sequence(100).tolist() == [9, 10, 12, 13, 14]
+  assert pool.segment[[8, 11]].tolist() == [0, 0] and pool.position[[8, 11]].tolist() == [6, 7]
+  assert pool.order[[8, 11]].tolist() == [6, 9]
+  assert pool.allocate(0, 2).tolist() == [6, 7]     # owner 0 still fills page 1
+  pool.check_invariants()
+  # the tree owner's own pages still work: roll back one, evict the rest
+  assert pool.rollback(100, 1).tolist() == [14]
+  pool.evict([12, 13])                 # page 3 stays: the tree owner is still filling it
+  assert pool.page_table(100).tolist() == [3] and pool.sequence(100).tolist() == [9, 10, 12, 13]
+  # freeing the sequence while tree slots 9, 10 are alive on its page 2: the page goes to the
+  # tree owner, only owner 0's slots on it (8, 11) become holes
+  pool.free_owner(0)
+  assert pool.page_table(100).tolist() == [2, 3] and pool.state[9] == ALIVE == pool.state[10]
+  assert pool.state[8] == FREE == pool.state[11] and pool.live_tokens == 2
+  pool.check_invariants()
+  pool.free_owner(100)
+  assert pool.num_free_pages == 6 and pool.live_tokens == 0
+  pool.check_invariants()
+
+
+def test_relabel_rollback_and_errors():
+  pool = KVPool(num_pages=4, page_size=2)
+  _write(pool, pool.allocate(0, 3))              # pages 0, 1 (slot 3 not allocated)
+  t = pool.allocate(7, 3)                        # pages 2, 3: slots 4, 5, 6
+  pool.write(t, [3, 3, 4], [1, 2, 3], [3, 4, 5])
+  with pytest.raises(ValueError, match=r"relabel: slots \[3\] are not ALIVE \(states \['free'\]"):
+    pool.relabel([4, 3], 0, 0)
+  with pytest.raises(ValueError, match="repeated"):
+    pool.relabel([4, 4], 0, 0)
+  with pytest.raises(ValueError, match="must be in"):
+    pool.relabel([8], 0, 0)
+  pool.evict([5])
+  with pytest.raises(ValueError, match="dead"):
+    pool.relabel([5], 0, 0)
+  assert pool.sequence(0).tolist() == [0, 1, 2] and pool.owner[4] == 7   # nothing changed
+  pool.relabel([4, 6], 0, 0)
+  assert pool.page_table(0).tolist() == [0, 2, 3, 1]
+  pool.free_owner(7)                             # its dead slot 5 becomes a hole on page 2
+  assert pool.state[5] == FREE and pool.live_tokens == 5
+  # rollback crops the relabeled slots first, then the owner's own; emptied pages go back
+  assert pool.rollback(0, 1).tolist() == [6] and pool.page_table(0).tolist() == [0, 2, 1]
+  assert pool.rollback(0, 2).tolist() == [2, 4]
+  assert pool.page_table(0).tolist() == [0] and pool.num_free_pages == 3   # pages 1-3 empty
+  assert pool.allocate(0, 2).tolist() == [2, 3]  # a fresh page: the lowest free one, page 1
+  pool.check_invariants()
+
+
+def test_rewrite_in_place_rerecords_metadata_of_held_slots():
+  pool = KVPool(num_pages=2, page_size=4)
+  s = pool.allocate(0, 3)
+  _write(pool, s)
+  stats = pool.stats()
+  before = pool.rewrite(s[1:], 0, [9, 8], [2, 2], [20, 21])
+  assert [b.tolist() for b in before] == [[1, 2], [0, 0], [1, 2]]
+  assert pool.position[s].tolist() == [0, 9, 8] and pool.segment[s].tolist() == [0, 2, 2]
+  assert pool.stats() == stats and pool.sequence(0).tolist() == s.tolist()
+  pool.restore_metadata(s[1:], before)
+  assert pool.position[s].tolist() == [0, 1, 2] and pool.order[s].tolist() == [0, 1, 2]
+  with pytest.raises(ValueError, match=r"slot 3 is not held ALIVE by the query's owner 0 "
+                                       r"\(it is free, owner -1\)"):
+    pool.rewrite([0, 3], 0, [0, 0], [0, 0], [0, 0])
+  with pytest.raises(ValueError, match="owner 1"):
+    pool.rewrite([0], 1, [0], [0], [0])
+  with pytest.raises(ValueError, match="repeat"):
+    pool.rewrite([0, 0], 0, [0, 0], [0, 0], [0, 0])
+
+
+def test_random_operations_with_relabel_keep_sequences_and_live_slots():
+  """Fuzz allocate / write / evict / free_owner / rollback / relabel against a brute-force
+  model of each owner's sequence: no ALIVE slot is ever lost or freed except by its own
+  owner's free / rollback, sequences keep their order, rollback crops their ends."""
+  rng = np.random.default_rng(5)
+  pool = KVPool(num_pages=8, page_size=3, bytes_per_token=4)
+  seqs: dict[int, list[int]] = {}
+  alive: set[int] = set()
+  counts = dict(relabel=0, handed=0)
+  order = 0
+  for it in range(1500):
+    op = int(rng.integers(0, 6))
+    owner = int(rng.integers(0, 5))
+    if op <= 1:
+      n = int(rng.integers(1, 5))
+      try:
+        s = pool.allocate(owner, n)
+      except PoolExhausted:
+        continue
+      assert not set(s.tolist()) & {x for q in seqs.values() for x in q}
+      pool.write(s, np.arange(n), np.full(n, owner), order + np.arange(n))
+      order += n
+      seqs.setdefault(owner, []).extend(s.tolist())
+      alive |= set(s.tolist())
+    elif op == 2 and alive:
+      ev = rng.choice(sorted(alive), size=min(len(alive), int(rng.integers(1, 4))), replace=False)
+      pool.evict(ev)
+      alive -= set(ev.tolist())
+    elif op == 3:
+      tables_before = {o: pool.page_table(o).tolist() for o in pool.owners()}
+      pool.free_owner(owner)
+      mine = set(seqs.pop(owner, []))
+      alive -= mine
+      counts["handed"] += sum(p in pool.page_table(o).tolist() for o in pool.owners()
+                              for p in tables_before.get(owner, []))
+    elif op == 4 and seqs.get(owner):
+      n = int(rng.integers(0, min(4, len(seqs[owner])) + 1))
+      got = pool.rollback(owner, n).tolist()
+      assert got == seqs[owner][len(seqs[owner]) - n:]
+      del seqs[owner][len(seqs[owner]) - n:]
+      alive -= set(got)
+    elif op == 5 and alive:
+      pick = rng.choice(sorted(alive), size=min(len(alive), int(rng.integers(1, 4))),
+                        replace=False).tolist()
+      seg = int(rng.integers(0, 4))
+      for q in seqs.values():
+        for x in pick:
+          if x in q:
+            q.remove(x)
+      seqs.setdefault(owner, []).extend(pick)
+      pool.relabel(pick, owner, seg)
+      assert pool.segment[pick].tolist() == [seg] * len(pick)
+      counts["relabel"] += 1
+    # pages released with dead slots drop those from their sequences
+    for o in list(seqs):
+      seqs[o] = [x for x in seqs[o] if pool.state[x] != FREE]
+    pool.check_invariants()
+    assert set(np.flatnonzero(pool.alive).tolist()) == alive, it
+    assert pool.live_tokens == len(alive) and pool.live_bytes == 4 * len(alive)
+    for o, q in seqs.items():
+      assert pool.sequence(o).tolist() == q, (it, o)
+      assert np.all(pool.owner[q] == o)
+  assert counts["relabel"] > 100 and counts["handed"] > 0
