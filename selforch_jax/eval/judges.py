@@ -3,8 +3,9 @@
 One interface, :class:`PairwiseJudge`: ``prefer(instruction, output_a, output_b)`` returns the
 probability-like score in ``[0, 1]`` that ``output_a`` is the better answer. Two backends:
 
-* :class:`OpenAIJudge` — any OpenAI-compatible ``/chat/completions`` endpoint (``urllib``; no
-  SDK needed). The judge prompt (:data:`JUDGE_PROMPT`) follows AlpacaEval's ranking prompt
+* :class:`OpenAIJudge` — any OpenAI-compatible ``/chat/completions`` endpoint through the
+  ``openai`` client (its timeouts and retries with backoff on connection errors, 408/409/429 and
+  5xx). The judge prompt (:data:`JUDGE_PROMPT`) follows AlpacaEval's ranking prompt
   (Li et al. 2023, alpaca_eval ``alpaca_eval_gpt4``: two outputs, answer with ``m`` or ``M``):
   reply ``"m"`` prefers output (m) = a, ``"M"`` prefers output (M) = b; anything else counts as
   0.5 (a tie) and is recorded as unparsed.
@@ -19,9 +20,7 @@ probability-like score in ``[0, 1]`` that ``output_a`` is the better answer. Two
 from __future__ import annotations
 
 import abc
-import json
 import os
-import urllib.request
 from typing import Any, Sequence
 
 import numpy as np
@@ -61,39 +60,42 @@ class OpenAIJudge(PairwiseJudge):
     url: base URL, e.g. ``"https://api.openai.com/v1"`` or ``"http://localhost:8000/v1"``
       (``/chat/completions`` is appended).
     model: the judge model name sent in the request.
-    api_key: bearer token (``None``: read ``api_key_env``; empty: no Authorization header).
+    api_key: bearer token (``None``: read ``api_key_env``; empty: the placeholder ``"EMPTY"``,
+      which local servers such as vLLM accept -- the client always sends a key).
     api_key_env: environment variable holding the key.
-    timeout_s: HTTP timeout in seconds.
+    timeout_s: timeout of one HTTP attempt in seconds.
+    max_retries: further attempts after a connection error, timeout, 408/409/429 or 5xx
+      (the client's exponential backoff between them).
 
   Raises (in :meth:`prefer`):
-    urllib.error.URLError / HTTPError: the endpoint is unreachable or refused the request.
-    ValueError: the reply is not a chat-completions JSON object.
+    openai.APIConnectionError / APITimeoutError: the endpoint is unreachable or too slow (after
+      the retries); openai.APIStatusError: it refused the request (4xx other than the above).
+    ValueError: the reply is not a chat completion.
   """
 
   def __init__(self, url: str, model: str, api_key: str | None = None,
-               api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 60.0):
+               api_key_env: str = "OPENAI_API_KEY", timeout_s: float = 60.0, max_retries: int = 2):
+    import openai  # noqa: PLC0415 - only this backend needs it
+
     if not url:
       raise ValueError("OpenAIJudge needs a base url")
     self.url = url.rstrip("/") + "/chat/completions"
     self.model = model
     self.api_key = os.environ.get(api_key_env, "") if api_key is None else api_key
     self.timeout_s = timeout_s
+    self.max_retries = int(max_retries)
+    self.client = openai.OpenAI(base_url=url.rstrip("/"), api_key=self.api_key or "EMPTY",
+                                timeout=timeout_s, max_retries=self.max_retries)
     self.unparsed = 0
 
   def prefer(self, instruction: str, output_a: str, output_b: str) -> float:
-    body = json.dumps({
-        "model": self.model, "temperature": 0, "max_tokens": 2,
-        "messages": [{"role": "user", "content": JUDGE_PROMPT.format(
-            instruction=instruction, output_1=output_a, output_2=output_b)}]}).encode()
-    headers = {"Content-Type": "application/json"}
-    if self.api_key:
-      headers["Authorization"] = f"Bearer {self.api_key}"
-    req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-    with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-      reply = json.loads(resp.read().decode())
+    reply = self.client.chat.completions.create(
+        model=self.model, temperature=0, max_tokens=2,
+        messages=[{"role": "user", "content": JUDGE_PROMPT.format(
+            instruction=instruction, output_1=output_a, output_2=output_b)}])
     try:
-      text = reply["choices"][0]["message"]["content"].strip()
-    except (KeyError, IndexError, TypeError) as e:
+      text = reply.choices[0].message.content.strip()
+    except (AttributeError, IndexError, TypeError) as e:
       raise ValueError(f"judge reply is not a chat completion: {str(reply)[:200]}") from e
     if text.startswith("m"):
       return 1.0

@@ -131,15 +131,27 @@ def catch_stop_signals(verbose: bool) -> tuple[dict, dict]:
   return stop, {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
+def tb_tag(key: str) -> str:
+  """TensorBoard tag of a metric key: ``eval_loss`` -> ``eval/loss``, ``loss`` -> ``train/loss``,
+  ``lr`` -> ``train/lr``; a key that already has a ``/`` is kept."""
+  if "/" in key:
+    return key
+  if key.startswith("eval_"):
+    return "eval/" + key[len("eval_"):]
+  return "train/" + key
+
+
 class MetricsWriter:
-  """Metrics to ``metrics.jsonl`` and TensorBoard (tensorboardX) on process 0."""
+  """Metrics to ``metrics.jsonl`` and, when tensorboardX is installed (``pip install -e
+  .[tensorboard]``), TensorBoard event files in ``<workdir>/tb`` under namespaced tags
+  (:func:`tb_tag`: ``train/loss``, ``train/lr``, ``eval/loss``, ...), on process 0."""
 
   def __init__(self, workdir: str, enabled: bool = True, start_step: int = 0):
     """Rows of steps after ``start_step`` (left by an interrupted run that is now resumed
     from an earlier checkpoint) are dropped, so every step appears once."""
     self.enabled = enabled
+    self.tb = None
     if enabled:
-      from tensorboardX import SummaryWriter
       os.makedirs(workdir, exist_ok=True)
       path = os.path.join(workdir, "metrics.jsonl")
       if os.path.exists(path):
@@ -148,21 +160,30 @@ class MetricsWriter:
         with open(path, "w") as f:
           f.writelines(keep)
       self.f = open(path, "a")
-      self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+      try:
+        from tensorboardX import SummaryWriter
+      except ImportError:
+        logging.info("tensorboardX not installed (pip install -e .[tensorboard]): metrics.jsonl only")
+      else:
+        self.tb = SummaryWriter(os.path.join(workdir, "tb"))
 
   def write(self, step: int, metrics: dict) -> None:
     if not self.enabled:
       return
     self.f.write(json.dumps({"step": step, **metrics}) + "\n")
     self.f.flush()
+    if self.tb is None:
+      return
     for k, v in metrics.items():
-      if isinstance(v, (int, float)):
-        self.tb.add_scalar(k, v, step)
+      if isinstance(v, (int, float)) and not isinstance(v, bool):
+        self.tb.add_scalar(tb_tag(k), v, step)
+    self.tb.flush()
 
   def close(self) -> None:
     if self.enabled:
       self.f.close()
-      self.tb.close()
+      if self.tb is not None:
+        self.tb.close()
 
 
 def build(config, workdir: str):
