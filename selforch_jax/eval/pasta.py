@@ -365,8 +365,9 @@ def forced_plan(engine, tok, tv, prompts, fc, ec) -> dict:
   """The forced-plan measurement (module docstring): PASTA threads vs AR, same token count."""
   from selforch_jax.lang import Promise, Round, serialize
   from selforch_jax.runtime.schedulers import ar, pasta
+  from selforch_jax.progress import progress
   recs = []
-  for p in prompts:
+  for p in progress(prompts, "pasta forced plan", unit="prompt"):
     plan = []
     for k in range(fc.promises):
       plan.append(Promise(tuple(tok.encode(f" part {k + 1}")), int(fc.length)))
@@ -514,7 +515,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
                    [t.encode_chat(prompt_and_reference(r)[0], add_generation_prompt=True)
                     for r in rows]))
   recs = {s: [] for s in systems + [p[0] for p in pareto]}
-  for i, (q, pr, pp) in enumerate(zip(questions, prompts, p_prompts)):
+  from selforch_jax.progress import progress
+  for i, (q, pr, pp) in progress(enumerate(zip(questions, prompts, p_prompts)), "pasta eval",
+                                 total=len(prompts), unit="problem"):
     for s in systems:
       if s == "ar":
         r = run_ar(engine_for("ar"), base_tok, pr, ec.max_new_tokens)

@@ -207,7 +207,8 @@ def run_system(system: str, engine, prompts, tv, ec, stop_ids, budgets=None) -> 
 
   sampling = SamplingParams(temperature=float(ec.temperature), seed=int(ec.seed))
   results, kv, secs = [], [], 0.0
-  for s in range(0, len(prompts), ec.batch_size):
+  from selforch_jax.progress import progress
+  for s in progress(range(0, len(prompts), ec.batch_size), f"tip eval {system}", unit="batch"):
     batch = prompts[s:s + ec.batch_size]
     if system == "tip":
       sched = TIPScheduler(engine, batch, tv, ec.max_new_tokens, sampling, stop_ids)
@@ -239,7 +240,8 @@ def annotated_references(rows, dataset: str, num_registers: int) -> list[str] | 
   from selforch_jax.lang.annotators import get_annotator
   out = []
   ann = get_annotator("tip_gsm8k", num_registers=num_registers) if dataset == "gsm8k" else None
-  for r in rows:
+  from selforch_jax.progress import progress
+  for r in progress(rows, f"tip prompts {dataset}", unit="problem"):
     msgs = r["messages"]
     if msgs[-1]["role"] != "assistant":
       return None
@@ -270,7 +272,8 @@ def teacher_forced_live_kv(engine, prompts, solutions, tok, tv, ec) -> dict:
   forced = [tok.encode(s) + [tok.stop_ids[-1]] for s in solutions]
   tip_m, tip_p, den_m, den_p, resp_t, resp_d, lps, killed = [], [], [], [], [], [], [], []
   secs = 0.0
-  for s in range(0, len(prompts), ec.batch_size):
+  from selforch_jax.progress import progress
+  for s in progress(range(0, len(prompts), ec.batch_size), "tip forced", unit="batch"):
     bp, bf = prompts[s:s + ec.batch_size], forced[s:s + ec.batch_size]
     sched = TIPScheduler(engine, bp, tv, forced=bf, stop_ids=())
     t0 = time.perf_counter()

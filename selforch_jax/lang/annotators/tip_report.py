@@ -47,7 +47,8 @@ def main(argv=None) -> None:
   ann = TipGSM8KAnnotator(a.num_registers, a.spill)
   n_ok, steps, mlive, pres, mres, frac_steps_evicted = 0, [], [], [], [], []
   dead_end, live_mean, live_mean_prompt, merged = [], [], [], 0
-  for row in rows:
+  from selforch_jax.progress import progress
+  for row in progress(rows, "tip annotate", unit="example"):
     if a.data == "gsm8k":
       out = ann.annotate(row["question"], row["answer"])
     else:
