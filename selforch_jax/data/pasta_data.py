@@ -185,7 +185,8 @@ def build_records(examples: Sequence[dict[str, Any]], annotator: Any,
     record fields).
   """
   records, anns = [], []
-  for ex in examples:
+  from selforch_jax.progress import progress
+  for ex in progress(examples, "pasta annotate", unit="example"):
     resp = ex.get("response")
     if not resp or not resp.strip():
       continue
