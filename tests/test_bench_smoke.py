@@ -56,4 +56,4 @@ def test_decode_throughput_smoke(tmp_path):
   assert set(fc["ms"]) == {"1", "2"}
   assert all(_positive(v) for v in fc["ms"].values())
   assert fc["relative_to_T1"]["1"] == 1.0
-  assert isinstance(data["targets"]["float32_ours_ge_70pct_roofline"], bool)
+  assert isinstance(data["targets"]["float32_ours_ge_75pct_roofline"], bool)
