@@ -36,6 +36,7 @@ else "ar"), quality_weight (lambda), steps (rounds), lora_rank.
 
 from selforch_jax import config_lib
 from selforch_jax.runtime.schedulers import available
+from selforch_jax.runtime.schedulers.pasta import DEFAULT_MAX_THREADS, DEFAULT_MAX_TOPIC_TOKENS
 from selforch_jax.trainers.po_run import po_defaults
 
 
@@ -57,7 +58,8 @@ def get_config(arg=None):
   b.init_from = a.init_from or None
   b.scheduler = a.scheduler
   if a.scheduler == "pasta":  # rollouts under the tag grammar (the IPO/SFT terms re-score them)
-    b.scheduler_kwargs = {"constrain_tags": True, "max_threads": 16, "max_topic_tokens": 12}
+    b.scheduler_kwargs = {"constrain_tags": True, "max_threads": DEFAULT_MAX_THREADS,
+                          "max_topic_tokens": DEFAULT_MAX_TOPIC_TOKENS}
   b.layout_mask = True
   b.score = "pasta"
   b.quality = "ref_nll"

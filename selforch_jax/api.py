@@ -316,7 +316,7 @@ def _answer(runtime, sched, j, tok, tv, decode, wall) -> Answer:
                 theoretical_speedup=round(st.theoretical_speedup, 4),
                 content_tokens=st.content_tokens, well_formed=st.well_formed,
                 degraded=list(st.degraded))
-    return Answer(decode(sched.text_ids(j)), ids, _finish(res, st.degraded), st.forwards,
+    return Answer(sched.text(j, tok), ids, _finish(res, st.degraded), st.forwards,
                   st.tokens_per_forward, st.wall_s if st.wall_s else wall,
                   logprobs=list(res.logprobs), figures=figs)
   if runtime == "sot":

@@ -26,5 +26,6 @@ def test_notebook_runs(name):
     exec(compile(src, name, "exec"), ns)
   assert ns["MODEL"] == "tiny_smollm2"
   assert len(ns["texts"]) == 2
-  assert all(len(r.token_ids) <= 8 for r in ns["results"])
-  assert ns["stats"].decode_tokens_per_s > 0
+  assert all(len(r.token_ids) <= 8 and r.forwards >= 1 for r in ns["results"])
+  assert [r.finish_reason in ("stop", "length") for r in ns["results"]] == [True, True]
+  assert ns["stats"]["tokens_per_s"] > 0

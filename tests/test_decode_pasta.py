@@ -56,7 +56,9 @@ def test_pasta_part_rows_equal_the_scheduler(adapter, tmp_path):  # noqa: F811
     sched = pasta.generate(Engine(model, num_pages=32, page_size=16), [ids], tv, max_new_tokens=12,
                            stop_ids=tok.stop_ids, cap=8, constrain_tags=True, max_threads=16,
                            max_topic_tokens=12)
-    assert r["text"] == tok.decode(sched.text_ids(0), skip_special_tokens=True)
+    assert r["text"] == sched.text(0, tok)   # chunks joined by their layout's separator
+    whole = tok.decode(sched.text_ids(0), skip_special_tokens=True)
+    assert "".join(r["text"].split()) == "".join(whole.split())   # only whitespace added
     assert r["raw"] == tok.decode(sched.results[0].token_ids)  # tags written
     st = sched.stats[0]
     assert (r["threads"], r["rounds"], r["forwards"], r["tokens"], r["well_formed"]) == (
@@ -91,3 +93,14 @@ def test_demo_config_turns_pasta_on(monkeypatch):
   decode_run.validate(off)
   monkeypatch.chdir(ROOT)  # `make demo` runs here; fails naming the key until the adapter is in git
   decode_run.validate(c)
+
+
+def test_chunks_join_with_the_separator_their_layout_implies():
+  """The demo's "and3. **" (two chunks run together): a chunk starting a list item goes on a new
+  line; other pieces that do not meet at whitespace get one space; nothing else changes."""
+  from selforch_jax.lang.assemble import join_pieces
+  got = join_pieces([(False, "Steps:\n"), (True, "1. Mix flour and"), (True, "2. **Bake** it"),
+                     (True, "then cool"), (False, " Enjoy.")])
+  assert got == "Steps:\n1. Mix flour and\n2. **Bake** it then cool Enjoy."
+  assert join_pieces([(False, "a "), (True, "- item")]) == "a\n- item"
+  assert join_pieces([(True, "x\n"), (True, "3. y")]) == "x\n3. y"

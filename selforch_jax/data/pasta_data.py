@@ -15,7 +15,7 @@ result before any record is written.
 
 Responses: the provided reference responses, plus the base model's own responses
 (self-distillation, DESIGN.md §6) generated batched with
-:class:`selforch_jax.decoding.generate.Generator` (:func:`generate_responses`).
+:func:`selforch_jax.api.decode_ids` (AR on the engine; :func:`generate_responses`).
 
 Records (JSON lines, the ``chat`` dataset format of :mod:`selforch_jax.data.sources`)::
 
@@ -133,14 +133,14 @@ def generate_responses(prompts: Sequence[str], model: Any, tokenizer: Any, *,
                        max_new_tokens: int = 256, batch_size: int = 8, sampling: Any = None
                        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
   """The base model's own responses to ``prompts``, decoded in batches with
-  :class:`~selforch_jax.decoding.generate.Generator` (chat template, stop at end of turn).
+  AR on the engine (:func:`selforch_jax.api.decode_ids`: chat template, stop at every EOS id).
 
   Args:
     prompts: user turns.
     model: the NNX Transformer (e.g. the real SmolLM2 from ``config_lib.load_model``).
     tokenizer: its tokenizer (``encode_chat``, ``decode``, ``stop_ids``).
     max_new_tokens: token budget per response.
-    batch_size: prompts per ``generate`` call (left padding; rows do not affect each other).
+    batch_size: prompts decoded together (rows do not affect each other).
     sampling: :class:`~selforch_jax.runtime.sampling.SamplingParams` (None = greedy).
 
   Returns:
@@ -148,23 +148,22 @@ def generate_responses(prompts: Sequence[str], model: Any, tokenizer: Any, *,
     "new_tokens", "seconds", "tokens_per_s"}`` (wall clock, compilation included).
 
   Raises:
-    ValueError: ``batch_size < 1`` or from ``Generator.generate`` (e.g. a prompt too long).
+    ValueError: ``batch_size < 1``; ContextLengthError: a prompt too long for the context.
   """
-  from selforch_jax.decoding.generate import Generator
-  from selforch_jax.runtime.sampling import SamplingParams
+  from selforch_jax.api import decode_ids
 
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-  gen = Generator(model)
   rows: list[dict[str, Any]] = []
   t0 = time.perf_counter()
-  for s in range(0, len(prompts), batch_size):
+  from selforch_jax.progress import progress
+  for s in progress(range(0, len(prompts), batch_size), "generate responses", unit="batch"):
     batch = [tokenizer.encode_chat([{"role": "user", "content": p}], add_generation_prompt=True)
              for p in prompts[s:s + batch_size]]
-    res, _ = gen.generate(batch, max_new_tokens=max_new_tokens,
-                          sampling=sampling or SamplingParams(), stop_ids=tokenizer.stop_ids)
-    rows += [{"text": tokenizer.decode(r.token_ids, skip_special_tokens=True),
-              "num_tokens": len(r.token_ids), "finish_reason": r.finish_reason} for r in res]
+    res = decode_ids(model, tokenizer, batch, runtime="ar", max_new_tokens=max_new_tokens,
+                     sampling=sampling)
+    rows += [{"text": r.text, "num_tokens": len(r.token_ids), "finish_reason": r.finish_reason}
+             for r in res]
   dt = time.perf_counter() - t0
   new = sum(r["num_tokens"] for r in rows)
   return rows, {"prompts": len(rows), "new_tokens": new, "seconds": round(dt, 2),

@@ -348,7 +348,8 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
     pc: the ``pasta`` config section (``adapter`` set). items: :func:`pasta_prompts`' rows.
     path: where the JSONL rows go, one per prompt: ``id``, ``prompt``, ``raw`` (the tagged
       output in canonical order: PLAN, each round's chunks in promise order, tags written),
-      ``text`` (the final text in logical order, tags dropped), ``threads``, ``rounds``,
+      ``text`` (the final text in logical order, tags dropped, chunks joined by the separator
+      their layout implies), ``threads``, ``rounds``,
       ``forwards`` (engine steps on the critical path, prefill included), ``tokens`` (tags and
       stop included), ``tokens_per_forward``, ``theoretical_speedup``, ``well_formed``
       (no degradation rule applied), ``parsed`` (none but the cut at ``max_new_tokens``),
@@ -396,7 +397,7 @@ def run_pasta_part(pc: ml_collections.ConfigDict, items: list[dict], path: str) 
       a = run_pasta(engine, tok, tv, p, pc.max_new_tokens, pc.cap, **opts)
       b = run_ar(engine, tok, p, pc.max_new_tokens)
       r = {"id": it["id"], "prompt": it["messages"][-1]["content"], "raw": a["raw"],
-           "text": a["text"], "threads": a["threads"], "rounds": a["rounds"],
+           "text": a["display_text"], "threads": a["threads"], "rounds": a["rounds"],
            "forwards": a["forwards"], "tokens": a["tokens"],
            "tokens_per_forward": round(a["tokens_per_forward"], 4),
            "theoretical_speedup": round(a["theoretical_speedup"], 4),

@@ -153,13 +153,6 @@ def _load(config, path: str):
   return model, tok, TagVocab.from_tokenizer(tok)
 
 
-def make_engine(model, num_slots: int, page_size: int):
-  """An :class:`~selforch_jax.runtime.engine.Engine` on ``model`` with at least ``num_slots``
-  KV slots (whole pages of ``page_size``)."""
-  from selforch_jax.runtime.engine import Engine
-  return Engine(model, num_pages=-(-num_slots // page_size), page_size=page_size)
-
-
 def warm_up(engine, max_T: int, constraint_ids=None) -> None:
   """Compile every step size up to ``max_T`` (powers of two) at every key window, and PASTA's
   greedy sampling of as many rows (also constrained to the tag grammar over ``constraint_ids`` when given:
@@ -195,13 +188,17 @@ def pasta_options(c) -> dict:
           "max_topic_tokens": int(c.max_topic_tokens) or None}
 
 
-def pasta_pool_slots(prompt_len: int, max_new: int, page_size: int, options: dict,
-                     unconstrained_threads: int = 32) -> int:
-  """KV slots for one PASTA answer: prompt + answer + 64 runtime-fed tags, plus the partial
-  last page of each thread (``max_threads`` of ``options`` under the tag grammar, which caps
-  them; else room for ``unconstrained_threads``)."""
-  threads = options.get("max_threads") or unconstrained_threads
-  return prompt_len + max_new + 64 + threads * page_size
+UNCONSTRAINED_THREADS = 32   # pool room for threads when the tag grammar does not cap them
+
+
+def pasta_pool(prompt_len: int, max_new: int, options: dict) -> dict:
+  """:func:`selforch_jax.runtime.build.make_engine` pool arguments for one PASTA answer: prompt
+  + answer + the runtime-fed tags, plus the partial last page of each thread (``max_threads``
+  of ``options`` under the tag grammar, which caps them; else :data:`UNCONSTRAINED_THREADS`)."""
+  from selforch_jax.runtime.schedulers.pasta import POOL_TAG_TOKENS
+  return dict(prompt_lens=[int(prompt_len)], max_new_tokens=int(max_new),
+              threads=int(options.get("max_threads") or UNCONSTRAINED_THREADS),
+              extra_tokens=POOL_TAG_TOKENS)
 
 
 def pasta_constraint_ids(tv, tok, options: dict) -> tuple[int, ...] | None:
@@ -288,7 +285,9 @@ def run_pasta(engine, tok, tv, prompt, max_new, cap, **options) -> dict:
   """PASTA on one prompt (batch 1, greedy; ``options``: :class:`~selforch_jax.runtime.schedulers.pasta.
   PASTAScheduler` options, e.g. ``constrain_tags`` for the tag grammar,
   :func:`selforch_jax.runtime.schedulers.pasta.tag_grammar`): ``text`` (final, logical order, tags
-  dropped), ``raw`` (the canonical tagged output, tags written), ids, wall seconds, stats."""
+  dropped, decoded whole), ``display_text`` (the same with each chunk joined by the separator its
+  layout implies: :meth:`~selforch_jax.runtime.schedulers.pasta.PASTAScheduler.text`), ``raw``
+  (the canonical tagged output, tags written), ids, wall seconds, stats."""
   from selforch_jax.runtime.schedulers import pasta
   t0 = time.perf_counter()
   s = pasta.generate(engine, [prompt], tv, max_new_tokens=max_new, stop_ids=tok.stop_ids, cap=cap,
@@ -300,7 +299,8 @@ def run_pasta(engine, tok, tv, prompt, max_new, cap, **options) -> dict:
   # truncated at max_new_tokens is not malformed (AR's answers are cut there too): the budget
   # rules, applied at the end ("end: ..."), of a job that ran out of tokens
   budget_only = finish == "length" and all(d.startswith("end:") for d in st.degraded)
-  return dict(text=_decode(tok, ids), ids=ids, wall_s=wall, tokens=st.tokens,
+  return dict(text=_decode(tok, ids), display_text=s.text(0, tok), ids=ids, wall_s=wall,
+              tokens=st.tokens,
               forwards=st.forwards, theoretical_speedup=st.theoretical_speedup,
               tokens_per_forward=st.tokens_per_forward,
               parsed=st.well_formed or budget_only, parsed_strict=st.well_formed,
@@ -464,18 +464,23 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # the same size (PASTA's spare pages: each thread ends in a partial page)
   ps = config.page_size
   opts = pasta_options(ec)
-  seq = pasta_pool_slots(P, ec.max_new_tokens, ps, opts)
-  sizes = {"ar": seq, "pasta": seq, "apar": seq + apc.max_forks * (apc.child_tokens + ps),
-           "sot": sc.max_points * (P + 256 + sc.skeleton_tokens + sc.point_tokens + 32) + 4 * ps,
-           "forced": P + fc.promises * (20 * fc.length + 10) * 2 + 64 + 4 * ps}
+  seq = pasta_pool(P, ec.max_new_tokens, opts)
+  sizes = {"ar": seq, "pasta": seq,
+           "apar": dict(seq, max_new_tokens=ec.max_new_tokens + apc.max_forks * apc.child_tokens,
+                        threads=seq["threads"] + apc.max_forks),
+           "sot": dict(prompt_lens=[P + 256 + sc.skeleton_tokens + 32] * sc.max_points,
+                       max_new_tokens=sc.point_tokens, threads=1),
+           "forced": dict(prompt_lens=[P], max_new_tokens=fc.promises * (20 * fc.length + 10) * 2
+                          + 64, threads=4)}
   engines = {}
   warm_T = max(P, 256 + P, 2 * sc.max_points + 8)   # the largest step any system here runs
 
   def engine_for(system):
+    from selforch_jax.runtime.build import make_engine, pool_pages
     model = p_model if system in ("pasta", "forced") else base_model
-    key = (id(model), sizes[system])
+    key = (id(model), pool_pages(page_size=ps, **sizes[system]))
     if key not in engines:
-      engines[key] = make_engine(model, sizes[system], ps)
+      engines[key] = make_engine(model, page_size=ps, check=False, **sizes[system])
       if config.warmup:
         warm_up(engines[key], warm_T, pasta_constraint_ids(p_tv, p_tok, opts))
     return engines[key]
@@ -508,7 +513,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   pareto = []   # (system name, engine, tokenizer, TagVocab, chat prompts)
   for lab, path in _pareto_runs(config.pareto):
     m, t, tv = _load(config, path)
-    e = make_engine(m, sizes["pasta"], ps)
+    from selforch_jax.runtime.build import make_engine
+    e = make_engine(m, page_size=ps, check=False, **sizes["pasta"])
     if config.warmup:
       warm_up(e, warm_T, pasta_constraint_ids(tv, t, opts))
     pareto.append((f"pasta[{lab}]", e, t, tv,

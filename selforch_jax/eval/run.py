@@ -76,14 +76,14 @@ def load_finetuned(path: str):
 
 
 def evaluate_model(model, tok, rows, ec) -> dict:
-  """Greedy-decode every question; returns per-example records and a summary."""
-  from selforch_jax.decoding.generate import Generator
+  """Greedy-decode every question (AR on the engine, batches of ``ec.batch_size``); returns
+  per-example records and a summary (``decode_tokens_per_s`` counts compiles too)."""
+  from selforch_jax.api import decode_ids
   from selforch_jax.eval.answers import extract_answer, is_correct
   from selforch_jax.eval.stats import bootstrap_ci
 
   from selforch_jax.data.sources import prompt_and_reference
 
-  gen = Generator(model)
   records, decode_s, new_tokens = [], 0.0, 0
   for s in range(0, len(rows), ec.batch_size):
     batch = rows[s:s + ec.batch_size]
@@ -96,15 +96,15 @@ def evaluate_model(model, tok, rows, ec) -> dict:
       prompts.append(tok.encode_chat(msgs, add_generation_prompt=True))
       refs.append(ref)
       questions.append(msgs[-1]["content"])
-    results, stats = gen.generate(prompts, max_new_tokens=ec.max_new_tokens, stop_ids=tok.stop_ids,
-                                  pad_id=tok.pad_id)
-    decode_s += stats.decode_s
-    new_tokens += stats.new_tokens
-    for q, ref, res in zip(questions, refs, results):
-      text = tok.decode(res.token_ids, skip_special_tokens=True)
+    t0 = time.perf_counter()
+    answers = decode_ids(model, tok, prompts, runtime="ar", max_new_tokens=ec.max_new_tokens)
+    decode_s += time.perf_counter() - t0
+    new_tokens += sum(len(a.token_ids) + (a.finish_reason == "stop") for a in answers)
+    for q, ref, a in zip(questions, refs, answers):
+      text = a.text
       records.append({"question": q, "reference": ref, "output": text,
                       "extracted": extract_answer(text), "correct": bool(is_correct(text, ref)),
-                      "finish_reason": res.finish_reason})
+                      "finish_reason": a.finish_reason})
     print(f"  {len(records)}/{len(rows)} done", file=sys.stderr)
   correct = np.array([x["correct"] for x in records], np.float64)
   return {"records": records,

@@ -183,7 +183,8 @@ def _prompts(rows, tok, ec) -> tuple[list[list[int]], list[str], list[str]]:
 def pages_per_request(prompt_len: int, max_new: int, page_size: int, num_registers: int) -> int:
   """KV pages one request may hold: its tokens, plus one partly filled page per live register
   step (TIP starts each step on a fresh page) and a margin of 4 (prompt, current step, joins)."""
-  return -(-(prompt_len + max_new) // page_size) + num_registers + 6
+  from selforch_jax.runtime.build import pool_pages
+  return pool_pages([prompt_len], max_new, page_size, threads=num_registers + 6)
 
 
 def _warm_up(engine, prompt_lens, batch: int, attn_mass: bool = True) -> None:

@@ -15,6 +15,7 @@ So with ``keep_topics=True`` the multiset of non-tag tokens of the output equals
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -24,7 +25,8 @@ from selforch_jax.lang.events import (
 from selforch_jax.lang.parser import DEFAULT_CAP, StreamParser
 from selforch_jax.lang.tags import TOKENS_PER_UNIT, TagVocab
 
-__all__ = ["Assembler", "assemble", "assemble_text"]
+__all__ = ["Assembler", "assemble", "assemble_pieces", "assemble_text", "chunk_separator",
+           "join_pieces"]
 
 
 class _Slot:
@@ -97,6 +99,60 @@ class Assembler:
     return out
 
 
+  def pieces(self) -> list[tuple[bool, list[int]]]:
+    """:meth:`tokens` split where a chunk starts or ends: ``(is_chunk, ids)`` in logical order
+    (concatenating the ids gives :meth:`tokens`)."""
+    out: list[tuple[bool, list[int]]] = []
+    for item in self._out:
+      if isinstance(item, _Slot):
+        chunk = self._chunks.get((item.round, item.promise))
+        if chunk is not None:
+          ids = (list(item.inner) if self.keep_topics else []) + list(chunk)
+          out.append((True, ids))
+          continue
+        ids = list(item.inner)
+      else:
+        ids = [item]
+      if out and not out[-1][0]:
+        out[-1][1].extend(ids)
+      else:
+        out.append((False, ids))
+    return out
+
+
+_ITEM_START = re.compile(r"^\s*(?:\d+[.)]|[-*\u2022]|#+)\s")
+
+
+def chunk_separator(before: str, after: str) -> tuple[str, str]:
+  """How two adjacent texts, at least one of them a PASTA chunk, are joined:
+  ``(before, separator)`` (``before`` possibly with trailing spaces dropped).
+
+  The layout implies the separator: a chunk that starts a list item or heading (``"3. "``,
+  ``"- "``, ``"## "``) starts a new line; otherwise texts that do not already meet at
+  whitespace get one space (chunks are parallel pieces of one text, never one word).
+  """
+  if not before or not after:
+    return before, ""
+  if _ITEM_START.match(after):
+    if before.endswith("\n") or after.startswith("\n"):
+      return before, ""
+    return before.rstrip(" \t"), "\n"
+  if before[-1].isspace() or after[0].isspace():
+    return before, ""
+  return before, " "
+
+
+def join_pieces(texts: Sequence[tuple[bool, str]]) -> str:
+  """Join decoded :meth:`Assembler.pieces` with :func:`chunk_separator` at every boundary."""
+  out = ""
+  for k, (_, t) in enumerate(texts):
+    if k:
+      out, sep = chunk_separator(out, t)
+      out += sep
+    out += t
+  return out
+
+
 def assemble(token_ids: Sequence[int], tag_vocab: TagVocab, *, keep_topics: bool = False,
              cap: int | None = DEFAULT_CAP, length_unit: int = TOKENS_PER_UNIT,
              token_bytes: Any = None) -> list[int]:
@@ -120,11 +176,31 @@ def assemble(token_ids: Sequence[int], tag_vocab: TagVocab, *, keep_topics: bool
   return asm.tokens()
 
 
+def assemble_pieces(token_ids: Sequence[int], tag_vocab: TagVocab, *, keep_topics: bool = False,
+                    cap: int | None = DEFAULT_CAP, length_unit: int = TOKENS_PER_UNIT,
+                    token_bytes: Any = None) -> list[tuple[bool, list[int]]]:
+  """:func:`assemble` split at chunk boundaries: ``(is_chunk, ids)`` in logical order
+  (:meth:`Assembler.pieces`; the ids concatenated are :func:`assemble`'s)."""
+  parser = StreamParser(tag_vocab, cap=cap, length_unit=length_unit, token_bytes=token_bytes)
+  asm = Assembler(keep_topics=keep_topics)
+  for t in token_ids:
+    asm.add(parser.feed(int(t)))
+  asm.add(parser.finish())
+  return asm.pieces()
+
+
 def assemble_text(token_ids: Sequence[int], tag_vocab: TagVocab, tokenizer: Any, *,
-                  skip_special_tokens: bool = False, **kwargs: Any) -> str:
+                  skip_special_tokens: bool = False, separate_chunks: bool = False,
+                  **kwargs: Any) -> str:
   """:func:`assemble`, decoded with ``tokenizer.decode`` (tags that degraded to text are written
-  as their text unless ``skip_special_tokens``). ``kwargs`` go to :func:`assemble`; ``token_bytes``
+  as their text unless ``skip_special_tokens``). ``separate_chunks``: each chunk and the text
+  around it are decoded apart and joined by :func:`join_pieces` (a chunk that starts a list item
+  goes on a new line; words never run together), the text a reader sees. ``kwargs`` go to :func:`assemble`; ``token_bytes``
   defaults to ``tokenizer.token_bytes`` (a cap never splits a character)."""
   kwargs.setdefault("token_bytes", getattr(tokenizer, "token_bytes", None))
+  if separate_chunks:
+    pieces = assemble_pieces(token_ids, tag_vocab, **kwargs)
+    return join_pieces([(c, tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+                        for c, ids in pieces])
   return tokenizer.decode(assemble(token_ids, tag_vocab, **kwargs),
                           skip_special_tokens=skip_special_tokens)

@@ -40,69 +40,13 @@ from selforch_jax import config_lib
 
 def po_defaults(trainer: str = "grpo") -> ml_collections.ConfigDict:
   """A full training config (``trainers.run.defaults()``) with ``trainer`` set."""
-  from selforch_jax.trainers.run import defaults
+  from selforch_jax.trainers.train_config import defaults
   c = defaults()
   c.trainer = trainer
   return c
 
 
-def validate_po(config: ml_collections.ConfigDict) -> None:
-  """Value checks of the ``grpo`` / ``bonbon`` section in use (types are checked by
-  ``trainers.run.validate``). Raises ``config_lib.ConfigError`` naming the key."""
-  from selforch_jax.data.sources import DATASETS
-  from selforch_jax.runtime.schedulers import available
-  from selforch_jax.trainers.bonbon import SCORES
-  from selforch_jax.trainers.rewards import reward_names
-
-  name = config.trainer
-  s = config[name]
-  checks = [("max_new_tokens", s.max_new_tokens >= 1), ("temperature", s.temperature >= 0),
-            ("top_k", s.top_k >= 0), ("top_p", 0 < s.top_p <= 1), ("num_pages", s.num_pages >= 1),
-            ("page_size", s.page_size >= 1), ("max_prompt_tokens", s.max_prompt_tokens >= 1)]
-  if name == "grpo":
-    checks += [("group_size", s.group_size >= 1), ("prompts_per_step", s.prompts_per_step >= 1),
-               ("clip_eps", s.clip_eps > 0), ("kl_coef", s.kl_coef >= 0),
-               ("adv_eps", s.adv_eps >= 0), ("inner_steps", s.inner_steps >= 1)]
-  else:
-    checks += [("num_samples", s.num_samples >= 2), ("prompts_per_round", s.prompts_per_round >= 1),
-               ("updates_per_round", s.updates_per_round >= 1),
-               ("pairs_per_step", s.pairs_per_step >= 1), ("alpha", s.alpha >= 0),
-               ("tau", s.tau > 0), ("min_score_gap", s.min_score_gap >= 0)]
-  for key, ok in checks:
-    if not ok:
-      raise config_lib.ConfigError(f"{name}.{key}={s[key]!r} is out of range")
-  if name == "grpo" and s.reward not in reward_names():
-    raise config_lib.ConfigError(f"grpo.reward={s.reward!r} is unknown; known: {reward_names()}")
-  if name == "bonbon":
-    if s.score not in SCORES:
-      raise config_lib.ConfigError(f"bonbon.score={s.score!r} must be one of {SCORES}")
-    if s.quality not in ("ref_nll", "judge") and s.quality not in reward_names():
-      raise config_lib.ConfigError(f"bonbon.quality={s.quality!r} must be 'ref_nll', 'judge' or a "
-                                   f"reward: {reward_names()}")
-    from selforch_jax.eval.judges import config_error
-    bad_judge = config_error(s.judge, "bonbon.judge")
-    if bad_judge:
-      raise config_lib.ConfigError(bad_judge)
-    if s.quality == "judge" and s.judge.backend in ("", "none"):
-      raise config_lib.ConfigError("bonbon.quality='judge' needs bonbon.judge.backend ('openai' "
-                                   "with bonbon.judge.url and bonbon.judge.model, or 'local')")
-  if s.scheduler not in available():
-    raise config_lib.ConfigError(f"{name}.scheduler={s.scheduler!r} is not registered; "
-                                 f"registered: {available()}")
-  if s.dataset not in DATASETS:
-    raise config_lib.ConfigError(f"{name}.dataset={s.dataset!r} is unknown; known: {sorted(DATASETS)}")
-  if s.layout_mask and not config.model.tags and not s.init_from:
-    raise config_lib.ConfigError(f"{name}.layout_mask=True needs model.tags=True (or an init_from "
-                                 "run trained with tags)")
-  if config.optim.grad_accum != 1:
-    raise config_lib.ConfigError("policy optimization needs optim.grad_accum=1")
-  init = s.init_from
-  if init and "://" not in init and not os.path.isdir(os.path.join(init, "checkpoints")):
-    raise config_lib.ConfigError(
-        f"{name}.init_from={init!r} is not a training workdir (no {init}/checkpoints): run the SFT "
-        "stage first (e.g. python -m selforch_jax.train --config=configs/tip.py:sft "
-        "--workdir=out/tip_sft, or configs/pasta.py:sft --workdir=out/pasta_sft), or set "
-        f"{name}.init_from='' to start from the model weights")
+from selforch_jax.trainers.train_config import validate_po  # noqa: E402,F401  (moved there)
 
 
 def load_policy(config):
@@ -240,7 +184,7 @@ def bonbon_round(trainer, s, prompts, refs, step_seed, tok, tv, judge=None,
   from selforch_jax.trainers.bonbon import pair_batch, score, select_pairs, speedups
   from selforch_jax.trainers.logprobs import sequence_logprobs
   from selforch_jax.trainers.rewards import get_reward
-  from selforch_jax.trainers.run import TrainingError
+  from selforch_jax.trainers.train_config import TrainingError
   t0 = time.perf_counter()
   N = int(s.num_samples)
   ro, rows, layout_kw = _rollout(trainer, s, prompts, N, step_seed, tok.stop_ids[0], tv,
@@ -335,9 +279,11 @@ def make_po_judge(config):
   from selforch_jax.eval.judges import LocalJudge, make_judge
   engine = tok = None
   if s.judge.backend == "local":
-    from selforch_jax.eval.pasta import make_engine
+    from selforch_jax.runtime.build import make_engine
     _, base, tok = config_lib.load_model(config.model)
-    engine = make_engine(base, LocalJudge.MAX_PROMPT_TOKENS + int(s.page_size), int(s.page_size))
+    # a judge reads one prompt of at most MAX_PROMPT_TOKENS and generates nothing
+    engine = make_engine(base, LocalJudge.MAX_PROMPT_TOKENS, 0, page_size=int(s.page_size),
+                         threads=1, check=False)
   judge = make_judge(s.judge, engine, tok)
   try:
     judge.prefer("Name a primary colour.", "Red.", "Blue.")

@@ -20,38 +20,7 @@ from absl import logging
 from selforch_jax import config_lib
 
 
-class TrainingError(RuntimeError):
-  """Training stopped (e.g. a non-finite loss)."""
-
-
-def defaults() -> ml_collections.ConfigDict:
-  """Every key of a training config with its default (types are checked against these)."""
-  from ml_collections.config_dict import placeholder
-
-  from selforch_jax.trainers.optim import optim_defaults
-
-  model = config_lib.model_defaults()
-  data = ml_collections.ConfigDict(dict(
-      name="gsm8k", path=placeholder(str), split="train", eval_fraction=0.0, eval_split_seed=0,
-      eval_path=placeholder(str), seq_len=256, batch_size=8, packing=True,
-      num_packing_bins=placeholder(int), shuffle=True, shuffle_seed=0, num_epochs=placeholder(int),
-      max_examples=placeholder(int), annotated_repeats=1, drop_remainder=True, num_threads=2,
-      prefetch_buffer_size=16,
-      annotated=False, annotator=placeholder(str), annotator_args=ml_collections.ConfigDict(),
-      strip_tags=False, async_sees_full_plan=False))
-  train = ml_collections.ConfigDict(dict(
-      steps=100, log_every=1, eval_every=0, eval_batches=4, checkpoint_every=50, keep=3,
-      async_checkpoint=True, train_embed_rows_from=-1, new_rows_lr_mult=1.0, seed=0))
-  mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
-  from selforch_jax.trainers.bonbon_config import bonbon_defaults
-  from selforch_jax.trainers.grpo_config import grpo_defaults
-  # trainer: "sft" (this module's loop), "grpo" or "bonbon" (trainers/po_run.py)
-  return ml_collections.ConfigDict(dict(model=model, data=data, optim=optim_defaults(),
-                                        train=train, mesh=mesh, trainer="sft",
-                                        grpo=grpo_defaults(), bonbon=bonbon_defaults()))
-
-
-TRAINERS = ("sft", "grpo", "bonbon")
+from selforch_jax.trainers.train_config import TRAINERS, TrainingError, defaults  # noqa: F401
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
@@ -64,7 +33,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   if config.trainer not in TRAINERS:
     raise config_lib.ConfigError(f"trainer={config.trainer!r} must be one of {TRAINERS}")
   if config.trainer != "sft":
-    from selforch_jax.trainers.po_run import validate_po
+    from selforch_jax.trainers.train_config import validate_po
     validate_po(config)
   from selforch_jax.data.sources import DATASETS
   try:

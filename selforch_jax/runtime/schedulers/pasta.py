@@ -596,15 +596,31 @@ class PASTAScheduler(Scheduler):
           max_parallel=r.max_parallel, degraded=tuple(notes), well_formed=not notes))
 
   # ---- outputs --------------------------------------------------------------------------------
-  def _text_ids(self, r: _Request) -> list[int]:
+  def _canonical(self, r: _Request) -> list[int]:
     head = r.prompt[r.prompt_plan_start:] if r.prompt_plan_start is not None else []
     if head and head[-1] == self.tv.async_open and r.main[:1] != [self.tv.async_open]:
       head = head[:-1]
     main = list(r.main)
     for pos in reversed(r.forced_closes):
       main.insert(pos, self.tv.async_close)
-    ids = assemble(head + main, self.tv, cap=r.builder.cap, length_unit=r.builder.length_unit)
+    return head + main
+
+  def _text_ids(self, r: _Request) -> list[int]:
+    ids = assemble(self._canonical(r), self.tv, cap=r.builder.cap,
+                   length_unit=r.builder.length_unit)
     return [t for t in ids if not self.tv.is_tag(t)]  # e.g. the <promise> of an abandoned one
+
+  def text(self, i: int, tokenizer: Any) -> str:
+    """The final text of request ``i`` a reader sees: :meth:`text_ids`' tokens with each chunk
+    and the text around it decoded apart and joined by the separator the layout implies
+    (:func:`selforch_jax.lang.assemble.join_pieces`: a chunk starting a list item goes on a new
+    line, two pieces never run together into one word)."""
+    from selforch_jax.lang.assemble import assemble_pieces, join_pieces
+    r = self.reqs[i]
+    pieces = assemble_pieces(self._canonical(r), self.tv, cap=r.builder.cap,
+                             length_unit=r.builder.length_unit)
+    return join_pieces([(c, tokenizer.decode([t for t in ids if not self.tv.is_tag(t)],
+                                             skip_special_tokens=True)) for c, ids in pieces])
 
   def text_ids(self, i: int) -> list[int]:
     """Final token ids of request ``i`` in logical order, tags stripped (a teacher-forced PLAN
