@@ -7,7 +7,7 @@ Run (from the repository root)::
 
 What is measured: an :class:`selforch_jax.runtime.engine.Engine` over a paged pool of
 ``--num_pages x --page_size`` slots holds ``--context`` live tokens (one prefilled sequence).
-For each T in ``--T`` (default 1, 2, 4, 8, 16, 32), T query tokens that see the whole context and
+For each T in ``--T`` (default 1, 4, 16, 64, 256), T query tokens that see the whole context and
 each other causally run in one engine step (:meth:`Engine.step`: host arrays in, K/V written to T
 own slots, logits ``[T, V]`` back and ready), ``--repeats`` times, every T against the same
 context (the dense reference attention reads the step's key window: the used slots rounded up to
@@ -24,6 +24,13 @@ Then the key-window curve (``--window_T`` queries, default 8): the same step whe
 the slots ``[0, end)`` for each key window ``end`` of the pool, up to the whole pool; the engine
 attends over that window only, so the cost follows the used slots, not the pool size
 (``key_window.relative_to_whole_pool``; e.g. ``--num_pages=304`` is the walk eval's pool).
+
+Then (``plain_spec_vs_plain``) the ForwardSpec path with everything off against today's plain
+step on a T = 1 step: whether the lowered HLO text is the same, and both step times; and
+(``layer_loop``) each ``ModelConfig.layer_loop`` of ``--layer_loops`` (``lax.scan`` over the
+stacked layers vs an unrolled Python loop) on a fresh engine over the same weights: compile
+seconds (the first step) and median ms of steps of ``--layer_loop_T`` queries after the context.
+``uptime_loadavg_1_5_15`` records the machine's load (other processes share the cores).
 
 Writes ``<out>/engine_step.json`` and prints it.
 """
@@ -149,22 +156,99 @@ def key_window_curve(engine: Engine, T: int, repeats: int, rng: np.random.Genera
               relative_to_whole_pool={k: v / ms[str(S)] for k, v in ms.items()})
 
 
+def _hlo(fn, *args) -> str:
+  return fn.lower(*args).as_text().replace("jit__jitted_spec_step", "M").replace(
+      "jit__jitted_step", "M")
+
+
+def plain_spec_vs_plain(engine: Engine, x: dict, repeats: int) -> dict:
+  """The ForwardSpec path with everything off (``_jitted_spec_step`` at ``PLAIN_KEY``, no
+  arrays) against today's plain step (``_jitted_step``) on the same step ``x``: whether the
+  lowered HLO text is the same (module name aside), and the median ms of each, round-robin."""
+  from selforch_jax.runtime import engine as em
+  T = len(x["tokens"])
+  tokens = np.asarray(x["tokens"], np.int32)
+  positions = np.asarray(x["positions"], np.int32)
+  slots = np.asarray(x["slots"], np.int32)
+  W = key_window(x["mask"])
+  mask = np.asarray(x["mask"][:, :W])
+  gd, st = engine.graphdef, engine.state
+
+  def plain():
+    lg, engine.cache = em._jitted_step(gd, st, engine.cache, tokens, positions, slots, mask)
+    return lg
+
+  def spec():
+    lg, engine.cache = em._jitted_spec_step(gd, em.PLAIN_KEY, st, engine.cache, tokens,
+                                            positions, slots, mask, {})
+    return lg
+
+  same = (_hlo(em._jitted_step, gd, st, engine.cache, tokens, positions, slots, mask)
+          == _hlo(em._jitted_spec_step, gd, em.PLAIN_KEY, st, engine.cache, tokens, positions,
+                  slots, mask, {}))
+  fns = {"plain": plain, "spec_all_off": spec}
+  for f in fns.values():
+    jax.block_until_ready(f())
+  times = {k: [] for k in fns}
+  for i in range(repeats):
+    for k in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fns[k]())
+      times[k].append(time.perf_counter() - t0)
+  ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+  return dict(T=T, hlo_text_equal=bool(same), ms=ms,
+              spec_over_plain=ms["spec_all_off"] / ms["plain"])
+
+
+def layer_loop_compare(model, loops: Sequence[str], context: int, num_pages: int, page_size: int,
+                       Ts: Sequence[int], repeats: int, rng: np.random.Generator) -> dict:
+  """Per layer loop (``ModelConfig.layer_loop``): a fresh engine over the same weights, the
+  context prefilled, then for each T in ``Ts`` a step of T queries after it: compile s (the
+  first step, minus nothing: it includes the run) and median ms of ``repeats`` steps."""
+  from flax import nnx
+  from selforch_jax.models.transformer import Transformer
+  out = {}
+  state = nnx.state(model)
+  ctx = rng.integers(0, model.cfg.vocab_size, context)
+  for loop in loops:
+    cfg = model.cfg.replace(layer_loop=loop)
+    m = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    nnx.update(m, state)
+    eng = Engine(m, num_pages=num_pages, page_size=page_size, attention="reference")
+    t0 = time.perf_counter()
+    lg, _ = eng.run_step(ctx, np.arange(context), np.zeros(context), 0, *ONE_SEGMENT)
+    jax.block_until_ready(lg)
+    res = dict(prefill_s_incl_compile=time.perf_counter() - t0, compile_s={}, ms={})
+    for i, T in enumerate(Ts):
+      x = prepare(eng, T, owner=2 + i, rng=rng)
+      res["compile_s"][str(T)] = timed_step(eng, x)
+      res["ms"][str(T)] = 1e3 * statistics.median(timed_step(eng, x) for _ in range(repeats))
+    out[loop] = res
+  if len(loops) == 2:
+    a, b = loops
+    out[f"{b}_over_{a}_ms"] = {k: out[b]["ms"][k] / out[a]["ms"][k] for k in out[a]["ms"]}
+  return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", required=True, help="directory for engine_step.json")
   p.add_argument("--smoke", action="store_true", help="tiny random model (fast; for tests)")
-  p.add_argument("--T", default="1,2,4,8,16,32", help="query tokens per step, comma-separated")
+  p.add_argument("--T", default="1,4,16,64,256", help="query tokens per step, comma-separated")
   p.add_argument("--context", type=int, default=None,
                  help="live tokens in the pool (default 256; smoke 32)")
-  p.add_argument("--num_pages", type=int, default=None, help="default 32 (smoke 12)")
+  p.add_argument("--num_pages", type=int, default=None, help="default 48 (smoke 12)")
   p.add_argument("--page_size", type=int, default=16)
   p.add_argument("--repeats", type=int, default=None, help="default 20 (smoke 3)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--window_T", type=int, default=8,
                  help="query tokens of the key-window curve (0 = skip it)")
+  p.add_argument("--layer_loops", default="scan,unroll",
+                 help="ModelConfig.layer_loop values to compare (empty = skip)")
+  p.add_argument("--layer_loop_T", default="1,16", help="query tokens of the layer-loop steps")
   a = p.parse_args(argv)
   context = a.context if a.context is not None else (32 if a.smoke else 256)
-  num_pages = a.num_pages if a.num_pages is not None else (12 if a.smoke else 32)
+  num_pages = a.num_pages if a.num_pages is not None else (12 if a.smoke else 48)
   repeats = a.repeats if a.repeats is not None else (3 if a.smoke else 20)
   Ts = [int(t) for t in a.T.split(",") if t]
   if not Ts or min(Ts) < 1:
@@ -225,6 +309,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
     out["key_window"] = key_window_curve(engine, a.window_T, repeats, rng)
     out["wall_s"] = time.perf_counter() - t_start
   out["pasta_8_threads_tile_skip_ratio"] = pasta_skip_ratios()
+  # 3) the ForwardSpec path with everything off vs today's plain step (same HLO, same time)
+  engine.reset()
+  x1 = prepare(engine, 1, owner=1, rng=rng)
+  out["plain_spec_vs_plain"] = plain_spec_vs_plain(engine, x1, repeats)
+  engine.pool.free_owner(1)
+  # 4) the layer loop: lax.scan over stacked layers vs a Python loop (compile s, step ms)
+  loops = [x for x in a.layer_loops.split(",") if x]
+  if loops:
+    lT = [int(t) for t in a.layer_loop_T.split(",") if t]
+    out["layer_loop"] = dict(
+        default=engine.cfg.resolved_layer_loop(), context_tokens=context, T=lT,
+        repeats=max(3, repeats // 2),
+        **layer_loop_compare(model, loops, context, num_pages, a.page_size, lT,
+                             max(3, repeats // 2), rng))
+  from bench.common import loadavg
+  out["uptime_loadavg_1_5_15"] = loadavg()
+  out["wall_s"] = time.perf_counter() - t_start
   if Ts[0] != 1:
     out["note"] = f"relative_to_T1 is relative to the smallest T measured ({Ts[0]})"
   os.makedirs(a.out, exist_ok=True)

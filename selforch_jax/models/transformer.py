@@ -9,7 +9,11 @@ Design points used by every runtime of the project (DESIGN.md §2):
 * attention takes explicit ``positions`` ``[B, T]`` and an explicit boolean visibility
   ``mask`` ``[B, T, S]`` (query x key); the model never builds a causal mask itself;
 * the layers' parameters are stacked along a leading ``layers`` axis and the forward
-  scans over them (``jax.lax.scan``), so compiling the 30-layer SmolLM2 costs one layer;
+  scans over them (``jax.lax.scan``), so compiling the 30-layer SmolLM2 costs one layer, or
+  runs them as an unrolled Python loop (``ModelConfig.layer_loop``);
+* one forward serves every engine step's :class:`~selforch_jax.runtime.step.ForwardSpec`:
+  attention views, hidden / attention-mass outputs, QUEST / recency key selection, MLP input
+  channel keep and MLP-output fake-quant (all off by default: the plain program);
 * every parameter carries ``logical_axes`` metadata; ``selforch_jax.sharding`` maps
   logical names to mesh axes with one rules table.
 """
@@ -462,7 +466,16 @@ class Transformer(nnx.Module):
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
       q = apply_rope(q, positions, inv_freq)
       k = apply_rope(k, positions, inv_freq)
-      if cache_kv is not None:
+      if cache_kv is not None and len(cache_kv) == 2:
+        # unrolled loop: attention reads a copy of this layer's key window [B, S, K, Dh] with
+        # the new K/V scattered in (slots past the window dropped); the caller writes every
+        # layer's new K/V into the stacked cache once, after the loop
+        kw_, vw_ = cache_kv
+        rows = jnp.arange(B)[:, None]
+        keys = kw_.at[rows, slots_eff].set(k.astype(kw_.dtype))
+        values = vw_.at[rows, slots_eff].set(v.astype(vw_.dtype))
+        cache_kv = (k, v)
+      elif cache_kv is not None:
         # writes and reads go straight to layer i of the stacked cache [L, B, max_len, K, Dh]
         # (no copy of the layer's whole row), and attention reads the first S slots only
         ck, cv, i = cache_kv
@@ -505,19 +518,29 @@ class Transformer(nnx.Module):
       layer = jax.checkpoint(layer)
 
     if cfg.resolved_layer_loop() == "unroll":
-      # a Python loop over the layers: each layer reads its weights in place (no per-layer
-      # slice copies of the scan); the cache is indexed by a static layer number
-      ck_all = None if kv_cache is None else kv_cache.k
-      cv_all = None if kv_cache is None else kv_cache.v
-      masses = []
+      # a Python loop over the layers (static layer index): no scan carry; with a cache, each
+      # layer attends over a copy of its key window and the new K/V of all layers are scattered
+      # into the stacked cache in one write at the end (chained per-layer writes into the
+      # stacked cache make XLA copy the whole cache per layer on CPU)
+      if kv_cache is not None:
+        slots_eff = (write_slots if write_slots is not None
+                     else jnp.broadcast_to(cache_index + jnp.arange(T), (B, T)))
+      masses, new_kv = [], []
       for i in range(cfg.num_layers):
         p = {name: arr[i] for name, arr in params.items()}
         if kv_cache is None:
           x, _, mass = layer(x, p, None)
         else:
-          x, (ck_all, cv_all), mass = layer(x, p, (ck_all, cv_all, i))
+          x, kv, mass = layer(x, p, (kv_cache.k[i, :, :S], kv_cache.v[i, :, :S]))
+          new_kv.append(kv)
         masses.append(mass)
-      new_cache = None if kv_cache is None else KVCache(k=ck_all, v=cv_all)
+      new_cache = None
+      if kv_cache is not None:
+        rows = jnp.arange(B)[:, None]
+        ks = jnp.stack([a for a, _ in new_kv]).astype(kv_cache.k.dtype)   # [L, B, T, K, Dh]
+        vs = jnp.stack([b for _, b in new_kv]).astype(kv_cache.v.dtype)
+        new_cache = KVCache(k=kv_cache.k.at[:, rows, slots_eff].set(ks),
+                            v=kv_cache.v.at[:, rows, slots_eff].set(vs))
       masses = jnp.stack(masses) if return_attn_mass else None
     elif kv_cache is None:
       def body(x, p):

@@ -46,7 +46,10 @@ class ForwardSpec:
 
   Static (each distinct value compiles its own program; :meth:`static`):
     view: which weights: ``"base"``, or the name of an extra attention view of the model
-      (``ModelConfig.attn_views``, e.g. Orthrus's ``"diffusion"``).
+      (``ModelConfig.attn_views``, e.g. Orthrus's ``"diffusion"``; added with
+      :func:`~selforch_jax.models.transformer.add_attn_view`). A view step writes its K/V into
+      its slots like any step (the K/V of the view's projections); a scheduler that must not
+      keep them runs the step as scratch.
     outputs: any of :data:`OUTPUTS`: ``logits`` (float32 ``[T, V]``), ``hidden`` (the last
       layer's normed hidden state, ``[T, D]`` in the compute dtype), ``attn_mass`` (float32
       ``[S]``: the attention probability each slot got, summed over layers, heads and queries;
@@ -54,8 +57,15 @@ class ForwardSpec:
     sparsity: ``"none"``, ``"quest(page_size)"`` (QUEST page top-k, Tang et al. 2024: for each
       query and KV head, pages scored by ``sum_d max(q_d maxK_d, q_d minK_d)``, the top
       ``ceil(keep_frac * kv_len / page_size)`` pages kept) or ``"recency(sinks, window)"`` (the
-      first ``sinks`` and the newest ``ceil(keep_frac * kv_len)`` keys, at least ``window``).
-      Steps whose query sees at most ``sinks + window + 1`` keys are dense (SOL's rule).
+      first ``sinks`` and the newest ``ceil(keep_frac * kv_len)`` keys, at least ``window``;
+      age = the pool's decode order). Steps whose query sees at most ``sinks + window + 1`` keys
+      are dense (SOL's rule, akhauriyash/SOL "Compute Where it Counts"; QUEST uses ``sinks=4,
+      window=2``: ``transformer.SPARSE_DENSE_SINKS / SPARSE_DENSE_WINDOW``), as are queries with
+      ``keep_frac >= 1``. QUEST pages are ``page_size`` consecutive slots of the step's key
+      window; each page's key min/max is computed inside the step over the slots some query of
+      the step sees; GQA: a KV head's query group shares one selection, its page score summed
+      over the group (:func:`~selforch_jax.models.transformer.quest_key_mask`). Both need
+      ``keep_frac`` and the dense mask path (a ``"paged"`` engine runs these steps densely).
     act_bits: MLP-output fake-quant bits (per-token absmax, symmetric); 16 = off.
 
   Arrays (data; None = off):
