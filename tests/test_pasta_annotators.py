@@ -12,6 +12,7 @@ from selforch_jax.lang import Degraded, Promise, Round, add_tags, assemble_text,
 from selforch_jax.lang.annotators import Annotation, annotator_names, get_annotator
 from selforch_jax.lang.annotators.pasta_rules import PastaRulesAnnotator, find_rounds, topic_of
 from selforch_jax.lang.annotators.report import annotation_report, measure_pasta
+from reference_decode import ReferenceDecoder
 
 
 @pytest.fixture(scope="module")
@@ -277,8 +278,7 @@ def test_llm_examples_are_valid_and_unreachable_endpoint(tok_tv):
 
 def test_llm_engine_backend_is_our_greedy_decode(tok_tv):
   """The engine backend's reply is the greedy continuation of the chat-templated prompt
-  (checked against the foundation's Generator on a toy-width model with the real tokenizer)."""
-  from selforch_jax.decoding.generate import Generator
+  (checked against an uncached reference decode on a toy-width model with the real tokenizer)."""
   from selforch_jax.lang.annotators.pasta_llm import EngineChatBackend, PastaLLMAnnotator
   from selforch_jax.models.config import get_preset
   from selforch_jax.models.transformer import init_model
@@ -288,7 +288,7 @@ def test_llm_engine_backend_is_our_greedy_decode(tok_tv):
   msgs = [{"role": "user", "content": "Name two colors."}]
   reply = backend.complete(msgs)
   ids = tok.encode_chat(msgs, add_generation_prompt=True)
-  ref, _ = Generator(model).generate([ids], max_new_tokens=6, stop_ids=tok.stop_ids)
+  ref, _ = ReferenceDecoder(model).generate([ids], max_new_tokens=6, stop_ids=tok.stop_ids)
   assert reply == tok.decode(ref[0].token_ids) and len(ref[0].token_ids) >= 1
   # a random model's rewrite is rejected (its words are not the response's), never raised
   llm = PastaLLMAnnotator(tok, backend=backend)

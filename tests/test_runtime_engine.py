@@ -1,4 +1,4 @@
-"""Engine + AR scheduler on tiny random models: equality with the foundation's decode,
+"""Engine + AR scheduler on tiny random models: equality with an uncached reference decode,
 eviction, page reuse, pool exhaustion, scratch steps and fuzzing."""
 
 import dataclasses
@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from selforch_jax.decoding.generate import Generator
 from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.models.config import get_preset
 from selforch_jax.models.transformer import KVCache, init_model
@@ -18,6 +17,7 @@ from selforch_jax.runtime.engine import Engine, bucket_size, key_window, key_win
 from selforch_jax.runtime.kv_pool import PoolExhausted
 from selforch_jax.runtime.mask import SegmentTable
 from selforch_jax.runtime.scheduler import Scheduler, StepPlan, execute, run
+from reference_decode import ReferenceDecoder
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [200]]
 ONE = (np.ones((1, 1), bool), np.zeros(1, bool))  # one causal segment
@@ -30,7 +30,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def gen(model):
-  return Generator(model)
+  return ReferenceDecoder(model)
 
 
 _full = jax.jit(lambda graphdef, state, t, p, m: nnx.merge(graphdef, state)(t, p, m)[0],
@@ -56,7 +56,7 @@ def full_logits(model, tokens, positions, mask, pad_to=64):
     SamplingParams(temperature=1.0, seed=3),
     SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7),
 ], ids=["greedy", "sampled", "top_k_top_p"])
-def test_ar_through_engine_equals_generator(model, gen, sampling):
+def test_ar_through_engine_equals_reference_decode(model, gen, sampling):
   # stop id 3 is produced by one row in the top-k/top-p run: rows finish at different steps
   ref, _ = gen.generate(PROMPTS, max_new_tokens=20, sampling=sampling, stop_ids=[3])
   eng = Engine(model, num_pages=16, page_size=8)

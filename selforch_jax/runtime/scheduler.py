@@ -98,8 +98,13 @@ def execute(engine: Engine, plan: StepPlan) -> StepResult:
                     hidden=out["hidden"], attn_mass=out["attn_mass"])
 
 
-def run(engine: Engine, scheduler: Scheduler, max_steps: int | None = None) -> int:
+def run(engine: Engine, scheduler: Scheduler, max_steps: int | None = None,
+        observer=None) -> int:
   """Drive ``scheduler`` on ``engine`` until it returns no plan; returns the steps run.
+
+  ``observer``: optional ``callback(plan, result)`` after each step's ``on_step`` (the plan
+  that ran, after any ``on_exhausted`` replacement), e.g. a
+  :class:`~selforch_jax.runtime.trace.TraceRecorder`.
 
   Raises:
     PoolExhausted: the pool is full and :meth:`Scheduler.on_exhausted` offered no plan (it is
@@ -121,5 +126,21 @@ def run(engine: Engine, scheduler: Scheduler, max_steps: int | None = None) -> i
           raise
         plan = replacement
     scheduler.on_step(plan, result)
+    if observer is not None:
+      observer(plan, result)
     steps += 1
   return steps
+
+
+def run_job(engine: Engine, scheduler: Scheduler, free_after: bool = True) -> Scheduler:
+  """:func:`run` ``scheduler`` to the end, then (``free_after``) release every page-table owner
+  it lists in ``scheduler.owners``; returns the scheduler (its ``results`` are ready).
+
+  Raises:
+    As :func:`run`.
+  """
+  run(engine, scheduler)
+  if free_after:
+    for o in getattr(scheduler, "owners", ()):
+      engine.pool.free_owner(int(o))
+  return scheduler

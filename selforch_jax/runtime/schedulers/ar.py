@@ -31,7 +31,7 @@ from selforch_jax.runtime.generation import GenerationResult, StopStringWatcher,
 from selforch_jax.runtime.sampling import SamplingParams, sample
 from selforch_jax.runtime.engine import Engine
 from selforch_jax.runtime.registry import fresh_bases, register
-from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run
+from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run, run_job
 
 
 class ARScheduler(Scheduler):
@@ -189,11 +189,7 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens
   owner_base, segment_base = fresh_bases(engine)
   sched = ARScheduler(prompts, max_new_tokens, sampling, stop_ids, owner_base=owner_base,
                       segment_base=segment_base, **kw)
-  run(engine, sched)
-  if free_after:
-    for o in sched.owners:
-      engine.pool.free_owner(int(o))
-  return sched.results
+  return run_job(engine, sched, free_after).results
 
 
 @register("ar")

@@ -35,17 +35,7 @@ thread that never closes is closed at its cap, a stop token inside a thread clos
 that runs out of ``max_new_tokens`` with live threads is finished by ``LayoutBuilder.finish``
 (forced closes and join). A request is *well-formed* iff no ``Degraded`` event occurred.
 
-Per request (:class:`PastaStats`):
-
-* ``tokens``: response tokens in canonical order (tags and runtime-fed tags included) plus
-  the stop token when there is one;
-* ``forwards``: engine steps that ran a token of this request, prefill included (the critical
-  path in forwards: each is one sequential model call for this request);
-* ``theoretical_speedup = (content_tokens + stop) / forwards`` (PASTA's definition: the tokens
-  of the sequential response — the de-tagged logical text, plus the stop token when there is
-  one — over the longest chain of sequential forwards); AR decoding is exactly 1.0;
-* ``tokens_per_forward = tokens / forwards`` (tags included: what the engine actually ran).
-* ``wall_s``: wall-clock seconds from the request's prefill to its last step.
+Per-request figures: :class:`~selforch_jax.runtime.schedulers.pasta_state.PastaStats`.
 
 The final text is :func:`selforch_jax.lang.assemble` of the canonical sequence (logical
 order: each chunk at the place of its promise; a teacher-forced PLAN in the prompt is
@@ -67,11 +57,14 @@ from selforch_jax.lang import (
   MAIN, AsyncClosed, EndOfText, LayoutBuilder, PromiseClosed, RegisterUse, Sync, TagVocab,
   assemble,
 )
+from selforch_jax.lang.assemble import assemble_pieces, join_pieces
 from selforch_jax.lang.parser import DEFAULT_CAP
 from selforch_jax.lang.tags import TOKENS_PER_UNIT
 from selforch_jax.runtime.engine import Engine, bucket_size
 from selforch_jax.runtime.registry import fresh_bases, register
-from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run
+from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult, run_job
+from selforch_jax.runtime.schedulers.pasta_grammar import constraint_ids, grammar_ids, tag_grammar
+from selforch_jax.runtime.schedulers.pasta_state import PastaStats, _Request
 
 __all__ = ["PASTAScheduler", "PastaStats", "sample_rows", "grammar_ids", "constraint_ids",
            "tag_grammar", "generate", "DEFAULT_MAX_THREADS", "DEFAULT_MAX_TOPIC_TOKENS",
@@ -81,160 +74,6 @@ __all__ = ["PASTAScheduler", "PastaStats", "sample_rows", "grammar_ids", "constr
 DEFAULT_MAX_THREADS = 16       # most threads one answer may fork (``max_threads``)
 DEFAULT_MAX_TOPIC_TOKENS = 12  # most tokens of a promise topic before its length is forced
 POOL_TAG_TOKENS = 64           # pool slots per answer for runtime-fed tags (<async>, <sync/>)
-
-
-def constraint_ids(tv: TagVocab, stop_ids: Sequence[int] = (),
-                   digits: bool = False) -> tuple[int, ...]:
-  """The ids :class:`PASTAScheduler` constrains with ``constrain_tags``, in order:
-  :func:`grammar_ids`, the sorted ``stop_ids``, then (``digits``, the scheduler's
-  ``max_topic_tokens`` set) ``tv.digit_ids`` and ``tv.space_ids[:1]`` (the separator before a
-  promise length). Shapes compiled for sampling depend on its length.
-  """
-  return (*grammar_ids(tv), *sorted({int(i) for i in stop_ids}),
-          *((*tv.digit_ids, *tv.space_ids[:1]) if digits else ()))
-
-
-def grammar_ids(tv: TagVocab) -> tuple[int, ...]:
-  """The ids :func:`tag_grammar` rules on, in its order: ``<promise>``, ``</promise>``,
-  ``<async>``, ``</async>``, ``<sync/>``, ``<|mask|>``, ``[PAD]``, then ``<reg_0..K-1>``."""
-  return (tv.promise_open, tv.promise_close, tv.async_open, tv.async_close, tv.sync, tv.mask,
-          tv.pad, *tv.registers)
-
-
-def tag_grammar(tv: TagVocab, in_thread: bool, in_promise: bool, promise_inner: Sequence[int],
-                after_promise: bool, round_open: bool, threads_full: bool = False,
-                long_topic: bool = False) -> tuple[list[bool], bool]:
-  """Which tags may come next (constrained decoding of PASTA's tag grammar, DESIGN.md §3).
-
-  A thread writes text, register tags (TIP inside threads) or its ``</async>``; inside a promise
-  only ``</promise>`` may close it, and only once the promise ends with a length (``TOPIC N``,
-  :meth:`TagVocab.split_length`); right after a ``</promise>`` the PLAN goes on with
-  ``<promise>`` or forks with ``<async>`` (nothing else); elsewhere the main thread writes text
-  or register tags, opens a promise, or forks when a round is open. ``<sync/>`` is always the
-  runtime's; ``<|mask|>`` and ``[PAD]`` are never sampled. Text is restricted only right after
-  ``</promise>``. ``threads_full`` (the request's promises reached the scheduler's
-  ``max_threads``): no ``<promise>`` may open, so right after ``</promise>`` only ``<async>``
-  may follow (when no round is open there, e.g. after a prompt's promise without a length,
-  ``<promise>`` stays allowed so that something is). ``long_topic`` (a promise without a length
-  reached the scheduler's ``max_topic_tokens``): only the constrained ids not banned may follow
-  (the scheduler adds a space and the digits, so the promise must write its length and close).
-
-  Returns:
-    ``(ban, only_tags)``: ``ban`` one bool per id of :func:`grammar_ids`; ``only_tags`` True when
-    nothing but the allowed tags may follow.
-  """
-  K = len(tv.registers)
-  if in_thread:
-    return [True, True, True, False, True, True, True] + [False] * K, False
-  if in_promise:
-    _, n = tv.split_length(promise_inner)
-    return [True, n is None, True, True, True, True, True] + [True] * K, long_topic
-  if after_promise:
-    return ([threads_full and round_open, True, not round_open, True, True, True, True]
-            + [True] * K, True)
-  return [threads_full, True, not round_open, True, True, True, True] + [False] * K, False
-
-
-@dataclasses.dataclass
-class PastaStats:
-  """Per-request figures (see the module docstring for the definitions).
-
-  Attributes:
-    tokens: response tokens, tags and runtime-fed tags included, plus the stop token if any.
-    sampled_tokens: tokens drawn from the model (stop token included).
-    content_tokens: tokens of the final de-tagged text (:func:`~selforch_jax.lang.assemble`).
-    forwards: engine steps that ran a token of this request (prefill included).
-    theoretical_speedup: ``(content_tokens + stop) / forwards`` (AR = 1).
-    tokens_per_forward: ``tokens / forwards``.
-    wall_s: seconds from the request's prefill to its last step.
-    rounds: joined rounds; threads: threads forked; max_parallel: largest number of threads
-      decoded in one step.
-    degraded: the degradation rules that applied (``"<index>: <rule>"``).
-    well_formed: no degradation rule applied.
-  """
-
-  tokens: int
-  sampled_tokens: int
-  content_tokens: int
-  forwards: int
-  theoretical_speedup: float
-  wall_s: float
-  rounds: int
-  threads: int
-  max_parallel: int
-  degraded: tuple[str, ...]
-  well_formed: bool
-  tokens_per_forward: float
-
-
-class _Request:
-  """One prompt's decoding state (main thread, live threads, layout)."""
-
-  def __init__(self, prompt: list[int], tv: TagVocab, cap, length_unit: int):
-    self.prompt = prompt
-    self.builder = LayoutBuilder(tv, cap=cap, length_unit=length_unit)
-    self.round_lengths: list[int] = []   # N of the promises of the open round
-    self.promised = 0                    # promises with a length so far, all rounds
-    self.length_at: int | None = None    # max_topic_tokens: where the forced length starts
-    self.plan_start: int | None = None   # feed index of the open round's first <promise>
-    self.prompt_plan_start: int | None = None
-    self.main: list[int] = []            # canonical response tokens, main thread so far
-    self.main_lp: list[float] = []
-    self.main_injected: list[bool] = []
-    self.threads: dict[int, list[int]] = {}
-    self.threads_lp: dict[int, list[float]] = {}
-    self.threads_inj: dict[int, list[bool]] = {}
-    self.live: list[int] = []            # live thread indices
-    self.pending: dict[int, int] = {}    # stream -> token to feed in the next step
-    self.pending_injected: dict[int, bool] = {}
-    self.pending_lp: dict[int, float] = {}
-    self.pending_src: dict[int, int | None] = {}  # stream -> query index that sampled it
-    self.pred_map: dict[int, int] = {}   # builder index -> index of the query that sampled it
-    self.slot_of: dict[int, int] = {}    # builder index -> pool slot (until evicted)
-    self.notes: list[str] = []           # runtime degradations (a stop token inside a thread)
-    self.seg_map: dict[int, int] = {}    # builder segment -> engine segment
-    self.owner_of: dict[int, int] = {}   # stream (MAIN or thread key) -> owner
-    self.thread_owner_key = 0
-    self.stop_token: int | None = None
-    self.finish_reason: str | None = None
-    self.forwards = 0
-    self.sampled = 0
-    self.rounds = 0
-    self.n_threads = 0
-    self.max_parallel = 0
-    self.t0: float | None = None
-    self.t1: float | None = None
-    self.forced_closes: list[int] = []   # positions in main of </async> the finish implied
-    self.in_promise = False              # main thread: tag-grammar state (constrain_tags)
-    self.promise_inner: list[int] = []
-    self.last_main: int | None = None
-
-  @property
-  def done(self) -> bool:
-    return self.finish_reason is not None
-
-  def response_len(self) -> int:
-    return len(self.main) + sum(len(t) for t in self.threads.values())
-
-  def track(self, events) -> None:
-    """Follow rounds from the parser events (which promises await threads)."""
-    for e in events:
-      if isinstance(e, PromiseClosed) and e.promise is not None:
-        if e.promise == 0:
-          self.plan_start = e.open_index + self.builder.document_offset
-        self.round_lengths.append(int(e.length))
-        self.promised += 1
-      elif isinstance(e, (Sync, EndOfText)) and (not isinstance(e, Sync) or e.round is not None):
-        self.round_lengths = []
-        self.plan_start = None
-
-  def flush_threads(self) -> None:
-    """Move the joined round's thread tokens into the canonical main sequence."""
-    for k in sorted(self.threads):
-      self.main += self.threads[k]
-      self.main_lp += self.threads_lp[k]
-      self.main_injected += self.threads_inj[k]
-    self.threads, self.threads_lp, self.threads_inj = {}, {}, {}
 
 
 class PASTAScheduler(Scheduler):
@@ -615,7 +454,6 @@ class PASTAScheduler(Scheduler):
     and the text around it decoded apart and joined by the separator the layout implies
     (:func:`selforch_jax.lang.assemble.join_pieces`: a chunk starting a list item goes on a new
     line, two pieces never run together into one word)."""
-    from selforch_jax.lang.assemble import assemble_pieces, join_pieces
     r = self.reqs[i]
     pieces = assemble_pieces(self._canonical(r), self.tv, cap=r.builder.cap,
                              length_unit=r.builder.length_unit)
@@ -653,15 +491,10 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], tag_vocab: TagVoc
   Raises:
     PoolExhausted: the pool is too small.
   """
-  owner_base = max(engine.pool.owners(), default=-1) + 1
-  segment_base = int(engine.pool.segment.max(initial=-1)) + 1
+  owner_base, segment_base = fresh_bases(engine)
   sched = PASTAScheduler(prompts, tag_vocab, max_new_tokens, owner_base=owner_base,
                          segment_base=segment_base, **kw)
-  run(engine, sched)
-  if free_after:
-    for o in sched.owners:
-      engine.pool.free_owner(int(o))
-  return sched
+  return run_job(engine, sched, free_after)
 
 
 @register("pasta")
