@@ -204,7 +204,8 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
                tag_vocab=None, questions: Sequence[str] | None = None, page_size: int = 16,
                batch_size: int | None = None, options: dict | None = None,
                on_token: Callable[[int, int], None] | None = None,
-               on_answer: Callable[[int, Answer], None] | None = None) -> list[Answer]:
+               on_answer: Callable[[int, Answer], None] | None = None,
+               trace: Any = "") -> list[Answer]:
   """Decode token-id prompts with ``runtime`` on engines built by
   :func:`selforch_jax.runtime.build.make_engine`.
 
@@ -225,12 +226,17 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
       max_forks; streaming_llm / h2o: budget, n_sink, recent_ratio).
     on_token: ``callback(prompt index, token id)`` as tokens are sampled (AR-like runtimes).
     on_answer: ``callback(prompt index, Answer)`` as each job finishes.
+    trace: ``""`` (off); a path ending in ``.html`` / ``.png`` / ``.json``: every engine step
+      of every job is recorded (:class:`~selforch_jax.runtime.trace.TraceRecorder`) and drawn
+      there at the end (:func:`selforch_jax.trace_render.render`); or a ``TraceRecorder``,
+      which records the steps (each job attached in turn) and is left for the caller to render.
 
   Returns:
     One :class:`Answer` per prompt.
 
   Raises:
-    ApiError: unknown runtime; a tagged runtime without ``tag_vocab``.
+    ApiError: unknown runtime; a tagged runtime without ``tag_vocab``; a ``trace`` path with
+      another extension (before anything runs).
     ContextLengthError: a prompt plus ``max_new_tokens`` exceeds the model's context.
     ValueError: an empty prompt or a bad option.
   """
@@ -252,6 +258,7 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
   options = dict(options or {})
   stop = tuple(s for s in stop if s)
   stops = eos_ids(tokenizer)
+  recorder = _recorder(trace, tokenizer, runtime)
   decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
   if questions is None:
     questions = [decode(p) for p in prompts]
@@ -288,8 +295,10 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
       kw["tokenizer"] = tokenizer
       kw.update({k: options[k] for k in ("child_tokens", "max_forks") if k in options})
     sched = make_scheduler(runtime, engine, [prompts[i] for i in rows], **kw)
+    if recorder is not None:
+      recorder.attach(sched)
     t0 = time.perf_counter()
-    run(engine, sched)
+    run(engine, sched, observer=recorder)
     wall = time.perf_counter() - t0
     for o in getattr(sched, "owners", ()):
       engine.pool.free_owner(int(o))
@@ -302,7 +311,29 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
       out[i] = a
       if on_answer is not None:
         on_answer(i, a)
+  if recorder is not None and isinstance(trace, str):
+    from selforch_jax.trace_render import render
+    render(recorder, trace)
   return out
+
+
+def _recorder(trace: Any, tokenizer, runtime: str):
+  """The :class:`~selforch_jax.runtime.trace.TraceRecorder` for ``decode_ids(trace=...)``, or
+  None when ``trace`` is empty.
+
+  Raises:
+    ApiError: a path without a known extension (:data:`selforch_jax.trace_render.FORMATS`).
+  """
+  from selforch_jax.runtime.trace import TraceRecorder
+  if trace is None or (isinstance(trace, str) and not trace):
+    return None
+  if isinstance(trace, TraceRecorder):
+    return trace
+  from selforch_jax.trace_render import FORMATS
+  if not isinstance(trace, str) or os.path.splitext(trace)[1].lower() not in FORMATS:
+    raise ApiError(f"trace={trace!r}: give a path ending in {', '.join(FORMATS)} (or a "
+                   "TraceRecorder)")
+  return TraceRecorder(token_text=lambda t: tokenizer.decode([int(t)]), title=runtime)
 
 
 def _answer(runtime, sched, j, tok, tv, decode, wall) -> Answer:
@@ -356,7 +387,8 @@ def generate(prompts: str | Sequence[str], runtime: str = "ar", adapter: str | N
              top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (),
              config: Any = "configs/smollm2_135m.py", model: Any = None,
              tokenizer: Any = None, system_prompt: str = "", options: dict | None = None,
-             on_token: Callable[[int, int], None] | None = None) -> list[Answer]:
+             on_token: Callable[[int, int], None] | None = None,
+             trace: Any = "") -> list[Answer]:
   """Decode user prompts with a runtime; one :class:`Answer` per prompt.
 
   Args:
@@ -373,6 +405,8 @@ def generate(prompts: str | Sequence[str], runtime: str = "ar", adapter: str | N
     system_prompt: an optional system turn.
     options: the runtime's own options (:func:`decode_ids`).
     on_token: streaming callback ``(prompt index, token id)``.
+    trace: a ``.html`` / ``.png`` / ``.json`` path where the decode's step timeline is drawn
+      (or a ``TraceRecorder``; :func:`decode_ids`).
 
   Returns:
     list of :class:`Answer` (text, token ids, finish reason, forwards, tokens per forward,
@@ -405,4 +439,4 @@ def generate(prompts: str | Sequence[str], runtime: str = "ar", adapter: str | N
   ids = [tokenizer.encode_chat(m, add_generation_prompt=True) for m in msgs]
   return decode_ids(model, tokenizer, ids, runtime=runtime, max_new_tokens=max_new_tokens,
                     sampling=sampling, stop=stop, tag_vocab=tv, questions=list(prompts),
-                    options=options, on_token=on_token)
+                    options=options, on_token=on_token, trace=trace)

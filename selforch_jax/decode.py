@@ -19,6 +19,10 @@ own figures) and ``<workdir>/summary.json``. With ``config.pasta.adapter`` set (
 prompts with PASTA and with AR (:func:`selforch_jax.decoding.run.run_pasta_part`), and a
 ``pasta`` block in the summary.
 
+``--config.trace=out/trace.html`` (or ``.png`` / ``.json``) draws every engine step of the decode
+as a timeline (tokens coloured by thread / register / point, forks, joins, evictions marked;
+:mod:`selforch_jax.trace_render`).
+
 ``--help`` lists every config key with its default. Errors (a missing config file, an unknown
 key, a bad workdir, an empty prompt, an unknown runtime, a missing adapter, a prompt longer than
 the context, ...) print one line naming the problem and exit with status 2.
@@ -124,6 +128,8 @@ def main(argv):
   short = {k: v for k, v in summary.items() if k not in ("config", "pasta")}
   print("\n" + json.dumps(short, indent=2))
   print(f"answers: {path}")
+  if summary.get("trace"):
+    print(f"trace: {summary['trace']}")
   if "pasta" in summary:
     print_pasta(summary["pasta"], os.path.join(_WORKDIR.value, "pasta.jsonl"))
 

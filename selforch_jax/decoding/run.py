@@ -38,6 +38,7 @@ HELP = {
     "page_size": "KV pool page size (tokens)",
     "stop": "stop strings separated by '|' (the text is cut before the first one)",
     "budget": "streaming_llm / h2o: live KV tokens per request",
+    "trace": "draw every engine step as a timeline: a .html / .png / .json path ('' = off)",
     "sampling.temperature": "0 = greedy",
     "sampling.top_k": "keep the k most likely tokens (0 = off)",
     "sampling.top_p": "nucleus mass (1 = off)",
@@ -74,6 +75,7 @@ def defaults() -> ml_collections.ConfigDict:
       page_size=16,
       stop="",
       budget=256,
+      trace="",              # e.g. out/trace.html (selforch_jax.trace_render)
       sampling=dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0),
       sot=dict(skeleton_tokens=96, point_tokens=64, max_points=10),
       apar=dict(child_tokens=64, max_forks=8),
@@ -116,6 +118,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise config_lib.ConfigError("max_new_tokens must be >= 1")
   if config.batch_size < 1 or config.page_size < 1 or config.budget < 1:
     raise config_lib.ConfigError("batch_size, page_size and budget must be >= 1")
+  from selforch_jax.trace_render import FORMATS
+  if config.trace and os.path.splitext(config.trace)[1].lower() not in FORMATS:
+    raise config_lib.ConfigError(f"trace={config.trace!r} must end in {', '.join(FORMATS)}")
   from selforch_jax.runtime.sampling import SamplingParams
   try:
     SamplingParams(**config.sampling.to_dict())
@@ -248,6 +253,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
   answers = os.path.join(workdir, "answers.jsonl")
   opts = options(config)
   bs = config.batch_size
+  recorder = None
+  if config.trace:   # one recorder over every batch, drawn once at the end
+    from selforch_jax.runtime.trace import TraceRecorder
+    recorder = TraceRecorder(token_text=lambda t: tok.decode([int(t)]), title=config.runtime)
   if streaming:
     stream.write(f"### {items[0]['id']} ({config.runtime}): {items[0]['messages'][-1]['content']}\n")
     stream.flush()
@@ -259,7 +268,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
                            max_new_tokens=config.max_new_tokens, sampling=sampling, stop=stop,
                            tag_vocab=tv, questions=[it["messages"][-1]["content"] for it in batch],
                            page_size=config.page_size, options=opts,
-                           on_token=on_token if streaming else None)
+                           on_token=on_token if streaming else None, trace=recorder)
       for it, p, a in zip(batch, ids, res):
         row = {"id": it["id"], "source": it["source"], "prompt": it["messages"][-1]["content"],
                "runtime": config.runtime, "text": a.text, "token_ids": a.token_ids,
@@ -293,6 +302,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
       "finish_reasons": {k: sum(r["finish_reason"] == k for r in rows)
                          for k in ("stop", "length", "degraded")},
   }
+  if recorder is not None:
+    from selforch_jax.trace_render import render
+    summary["trace"] = render(recorder, config.trace)
   pasta_rows = os.path.join(workdir, "pasta.jsonl")
   if pasta_items is not None:
     del model
