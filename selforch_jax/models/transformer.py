@@ -369,7 +369,8 @@ class Transformer(nnx.Module):
                return_attn_mass: bool = False, key_len: int | None = None,
                view: str = "base", mlp_keep: jax.Array | None = None, act_bits: int = 16,
                sparsity: tuple = ("none",), keep_frac: jax.Array | None = None,
-               key_order: jax.Array | None = None) -> tuple:
+               key_order: jax.Array | None = None,
+               layer_params: dict[str, list] | None = None) -> tuple:
     """Forward pass.
 
     Args:
@@ -410,6 +411,9 @@ class Transformer(nnx.Module):
         (:func:`recency_key_mask`, the same for every layer). Not with an attention backend.
       keep_frac: float ``[B, T]`` keep fraction per query; required when ``sparsity`` is set.
       key_order: optional int ``[B, S]`` age rank of the keys for ``recency``.
+      layer_params: optional ``{name: [L arrays]}``: the layer parameters unstacked, one array
+        per layer (:func:`unstack_layers`); with ``layer_loop="unroll"`` layer i reads its own
+        arrays instead of slicing the stacked ones (no per-step weight copy on CPU).
 
     Returns:
       ``(logits [B, T, V] float32, new_cache)`` (``new_cache`` is None without a cache);
@@ -449,7 +453,10 @@ class Transformer(nnx.Module):
                                                        (B, T, cfg.hidden_size)):
       raise ValueError(f"mlp_keep shape {mlp_keep.shape} is neither [D] nor [B, T, D]")
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
-    params = view_params(self.layers.stacked(), cfg, view)
+    if layer_params is not None and cfg.resolved_layer_loop() != "unroll":
+      raise ValueError("layer_params (per-layer weights) needs layer_loop='unroll'")
+    params = view_params(layer_params if layer_params is not None else self.layers.stacked(),
+                         cfg, view)
     ls = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
     step_mask = mask
     if sparse[0] == "recency":
@@ -571,6 +578,12 @@ class Transformer(nnx.Module):
     head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
     return jnp.einsum("btd,dv->btv", x, head.astype(cfg.jnp_dtype),
                       preferred_element_type=jnp.float32)
+
+
+def unstack_layers(model: "Transformer") -> dict[str, list[jax.Array]]:
+  """The stacked layer parameters of ``model`` as ``{name: [L arrays]}`` (one device array per
+  layer, each ``arr[i]`` of the stacked ``[L, ...]`` array), for ``layer_params=``."""
+  return {k: [v[i] for i in range(v.shape[0])] for k, v in model.layers.stacked().items()}
 
 
 def causal_mask(valid: jax.Array) -> jax.Array:

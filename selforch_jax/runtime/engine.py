@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from selforch_jax.models.transformer import KVCache, Transformer
+from selforch_jax.models.transformer import KVCache, Transformer, unstack_layers
 from selforch_jax.runtime.kv_pool import KVPool, PoolExhausted
 from selforch_jax.runtime.mask import step_mask
 from selforch_jax.runtime.paged_backend import (
@@ -51,16 +51,19 @@ KEY_WINDOW_MIN = 256  # slots: the shortest key window (smaller pools use all th
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _jitted_step(graphdef, state, cache, tokens, positions, write_slots, mask):
+def _jitted_step(graphdef, state, cache, tokens, positions, write_slots, mask, layers=None):
   """The engine step (module level, so engines of the same model structure share compiles);
-  a dense ``mask [T, W]`` attends over the first W slots (the key window)."""
+  a dense ``mask [T, W]`` attends over the first W slots (the key window). ``layers``: the
+  unstacked layer weights of an unrolled model (:func:`~selforch_jax.models.transformer.
+  unstack_layers`), or None."""
   model = nnx.merge(graphdef, state)
   if isinstance(mask, PagedAttentionMask):
     logits, cache = model(tokens[None], positions[None], mask, cache,
-                          write_slots=write_slots[None])
+                          write_slots=write_slots[None], layer_params=layers)
   else:
     logits, cache = model(tokens[None], positions[None], mask[None], cache,
-                          write_slots=write_slots[None], key_len=mask.shape[1])
+                          write_slots=write_slots[None], key_len=mask.shape[1],
+                          layer_params=layers)
   return logits[0], cache
 
 
@@ -75,7 +78,8 @@ def spec_key(spec: ForwardSpec) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _jitted_spec_step(graphdef, key, state, cache, tokens, positions, write_slots, mask, extras):
+def _jitted_spec_step(graphdef, key, state, cache, tokens, positions, write_slots, mask, extras,
+                      layers=None):
   """The engine step under a :class:`~selforch_jax.runtime.step.ForwardSpec` (``key`` =
   :func:`spec_key`; ``extras``: dict of the step's arrays ``mlp_keep [D] | [Tb, D]``,
   ``keep_frac [Tb]``, ``key_order [W]``, absent when off).
@@ -105,7 +109,7 @@ def _jitted_spec_step(graphdef, key, state, cache, tokens, positions, write_slot
   res = model(tokens[None], positions[None], mask if paged else mask[None], cache,
               write_slots=write_slots[None],
               return_hidden=want_hidden or "logits" not in outputs, return_attn_mass=want_mass,
-              **kl, **kw)
+              layer_params=layers, **kl, **kw)
   first, cache = res[0], res[1]
   if key == PLAIN_KEY and not extras:
     return first[0], cache
@@ -189,6 +193,8 @@ class Engine:
     self.interpret = bool(interpret)
     self.cfg = model.cfg
     self.graphdef, self.state = nnx.split(model)
+    # an unrolled layer loop reads per-layer weight arrays (no slice copies of the stacked ones)
+    self.layers = unstack_layers(model) if self.cfg.resolved_layer_loop() == "unroll" else None
     self.pool = KVPool.for_model_config(self.cfg, num_pages, page_size)
     self.num_slots = self.pool.num_slots
     self.cache = KVCache.zeros(self.cfg, 1, self.num_slots)
@@ -280,11 +286,11 @@ class Engine:
                                          kind="stable").astype(np.int32)
     if key == PLAIN_KEY and not extras:
       logits, self.cache = _jitted_step(self.graphdef, self.state, self.cache, tokens, positions,
-                                        write_slots, mask)
+                                        write_slots, mask, self.layers)
       out = {"logits": logits}
     else:
       out, self.cache = _jitted_spec_step(self.graphdef, key, self.state, self.cache, tokens,
-                                          positions, write_slots, mask, extras)
+                                          positions, write_slots, mask, extras, self.layers)
       self.specs_used.add(key)
     self.buckets_used.add(Tb)
     self.num_steps += 1
