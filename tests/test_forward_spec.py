@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from selforch_jax.checkpoints.hf_layout import load_params_into
 from selforch_jax.models.config import get_preset
 from selforch_jax.models.rope import apply_rope, rope_inv_freq
 from selforch_jax.models.transformer import (
+    param_dict,
     SPARSE_DENSE_SINKS, SPARSE_DENSE_WINDOW, add_attn_view, causal_mask, fake_quant, init_model,
     quest_key_mask, recency_key_mask,
 )
@@ -372,3 +374,14 @@ def test_warm_up_compiles_spec_programs(model):
   eng.warm_up([1], attn_mass=(False, True), specs=(spec,))
   assert eng.specs_used == {spec_key(spec), spec_key(ForwardSpec(outputs=("logits", "attn_mass")))}
   assert eng.num_steps == 0
+
+
+def test_a_model_with_a_view_round_trips_through_its_param_dict(model):
+  mv = add_attn_view(model, "diffusion")
+  mv.layers.q_proj_diffusion[...] = mv.layers.q_proj_diffusion[...] * 2.0
+  fresh = add_attn_view(init_model(model.cfg, seed=9), "diffusion")
+  load_params_into(fresh, param_dict(mv))
+  np.testing.assert_array_equal(np.asarray(fresh.layers.q_proj_diffusion[...]),
+                                np.asarray(mv.layers.q_proj_diffusion[...]))
+  np.testing.assert_array_equal(np.asarray(fresh.layers.q_proj[...]),
+                                np.asarray(model.layers.q_proj[...]))

@@ -279,10 +279,16 @@ def _is_lora(key: str) -> bool:
   return "_lora_" in key
 
 
+def _is_view(key: str, cfg: ModelConfig) -> bool:
+  """An extra attention view's parameter (``layers.<name>_<view>``, ``cfg.attn_views``)."""
+  return any(key.endswith(f"_{v}") for v in cfg.attn_views)
+
+
 def _check_params(cfg: ModelConfig, params: Mapping[str, Any]) -> None:
-  """Base parameters must match ``cfg`` exactly; LoRA adapter entries are not checked here."""
+  """Base parameters must match ``cfg`` exactly; LoRA adapter and attention-view entries are
+  not checked here (they must exist in the model: :func:`load_params_into`)."""
   expected = _flatten(expected_param_shapes(cfg))
-  got = {k: v for k, v in _flatten(params).items() if not _is_lora(k)}
+  got = {k: v for k, v in _flatten(params).items() if not _is_lora(k) and not _is_view(k, cfg)}
   missing = sorted(set(expected) - set(got))
   unexpected = sorted(set(got) - set(expected))
   if missing or unexpected:
