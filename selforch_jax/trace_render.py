@@ -220,7 +220,7 @@ def to_png(trace: Any, path: str) -> dict:
     text = []
     for mc, label in _markers(st):
       marks[mc] = marks.get(mc, 0) + 1
-      text.append(label)
+      text.append(label.replace("⑂ ", ""))   # no fork glyph in matplotlib's default font
     if text:
       ax.text(x0 + len(shown) + 0.5, r + 0.5, "  ".join(text), ha="left", va="center",
               fontsize=7, color="#333")
