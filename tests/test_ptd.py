@@ -250,3 +250,24 @@ def test_choose_sizes_from_the_step_cost_curve():
   assert choose_sizes(ms, {0: 1.0, 4: 1.01})["bucket"] == 1      # no gain: plain AR
   with pytest.raises(ValueError):
     choose_sizes({}, acc)
+
+
+def test_ptd_equals_ar_greedy_on_smollm2():
+  from selforch_jax.checkpoints.assets import smollm2_gguf_path
+  from selforch_jax.checkpoints.gguf_import import load_gguf
+  from selforch_jax.runtime.engine import Engine
+  from selforch_jax.runtime.scheduler import run
+  from selforch_jax.tokenizers import HFTokenizer
+  path = smollm2_gguf_path()
+  _, m, _ = load_gguf(path)
+  tok = HFTokenizer.from_gguf(path)
+  texts = ["List the first five prime numbers.", "Repeat after me: a b c, a b c, a b c.",
+           "What is 12 times 7? Answer step by step."]
+  prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
+  eng = Engine(m, num_pages=48, page_size=16)
+  ref = ar.generate(eng, prompts, max_new_tokens=48, stop_ids=tok.stop_ids)
+  s = make_scheduler("ptd", eng, prompts, max_new_tokens=48, stop_ids=tok.stop_ids, **PTD_CPU)
+  run(eng, s)
+  assert [r.token_ids for r in s.results] == [r.token_ids for r in ref]
+  assert [r.finish_reason for r in s.results] == [r.finish_reason for r in ref]
+  assert sum(st["forwards"] for st in s.stats) < sum(len(r.token_ids) + 1 for r in ref)
