@@ -57,6 +57,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from selforch_jax.models.transformer import Transformer  # noqa: E402
 from selforch_jax.runtime.engine import Engine  # noqa: E402
 from selforch_jax.runtime.sampling import SamplingParams  # noqa: E402
 from selforch_jax.runtime.scheduler import run  # noqa: E402
@@ -168,6 +169,13 @@ def encode_prompts(instructions: list[str], gguf_path: str | None, vocab: int):
     return ids, sorted(int(s) for s in tok.stop_ids)
   # random tiny model: bytes of the instruction modulo the vocabulary, at most 48 tokens
   return [[b % vocab for b in s.encode("utf-8")][:48] for s in instructions], []
+
+
+def with_layer_loop(model, loop: str):
+  """A copy of ``model`` (same weights) whose config runs the layers with ``loop``."""
+  new = Transformer(model.cfg.replace(layer_loop=loop), rngs=nnx.Rngs(params=0))
+  nnx.update(new, nnx.state(model))
+  return new
 
 
 def param_bytes(model) -> int:
@@ -492,6 +500,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--threads", type=int, default=2, help="threads for torch and llama.cpp")
   p.add_argument("--no_1thread", action="store_true",
                  help="skip the extra single-thread runs of transformers' loop and llama.cpp")
+  p.add_argument("--layer_loops", default="scan,unroll",
+                 help="layer loops timed for the first dtype (ModelConfig.layer_loop), side by side")
   p.add_argument("--with_generator", action="store_true",
                  help="also time the old decoding.generate.Generator (while it exists)")
   p.add_argument("--skip_torch", action="store_true")
@@ -529,6 +539,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   # ---- load + warm up every system ------------------------------------------------------
   ours: dict[str, EngineRunner] = {}
   generator: GeneratorRunner | None = None
+  other_loops: dict[str, EngineRunner] = {}
   ours_info: dict[str, dict[str, Any]] = {}
   gguf_path, stop_ids, prompt_ids, forward_cost = None, [], None, {}
   for dtype in dtypes:
@@ -540,7 +551,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ours[dtype] = EngineRunner(model, prompt_ids, args.new_tokens)
     if dtype == dtypes[0] and args.with_generator:
       generator = GeneratorRunner(model, prompt_ids, args.new_tokens)
+    if dtype == dtypes[0]:
+      for loop in [l.strip() for l in args.layer_loops.split(",") if l.strip()]:
+        if loop != cfg.resolved_layer_loop():
+          other_loops[loop] = EngineRunner(with_layer_loop(model, loop), prompt_ids,
+                                           args.new_tokens)
     ours_info[dtype] = {"load_s": _r(load_s, 2), "param_bytes": param_bytes(model),
+                        "layer_loop": cfg.resolved_layer_loop(),
                         "num_params": int(cfg.num_params())}
     if dtype == dtypes[0]:
       Ts = [int(t) for t in args.forward_T.split(",") if t.strip()]
@@ -580,6 +597,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         runner.run(i)
       if generator is not None:
         generator.run(i)
+      for runner in other_loops.values():
+        runner.run(i)
       if torch_runner is not None and (r == 0 or torch_runner.seconds < args.torch_budget_s):
         torch_runner.run(i)
         if not args.no_1thread and args.threads != 1:
@@ -591,6 +610,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   result["ours"] = {d: {**ours[d].summary(), **ours_info[d]} for d in dtypes}
   result["host_overhead"] = host_overhead(ours[dtypes[0]])
+  d0 = dtypes[0]
+  loops = {ours_info[d0]["layer_loop"]: result["ours"][d0]["decode_tokens_per_s"]}
+  result["layer_loop"] = {"default": ours_info[d0]["layer_loop"],
+                          "runs": {ours_info[d0]["layer_loop"]: {
+                              "decode_tokens_per_s": loops[ours_info[d0]["layer_loop"]],
+                              "compile_s_total": result["ours"][d0]["compile_s_total"]}}}
+  for loop, runner in other_loops.items():
+    sm = runner.summary()
+    sm["tokens_identical_to_default"] = [a == b for a, b in zip(runner.tokens, ours[d0].tokens)]
+    sm["over_default"] = _r(sm["decode_tokens_per_s"] / loops[ours_info[d0]["layer_loop"]])
+    result["layer_loop"]["runs"][loop] = sm
   if generator is not None:
     g = generator.summary()
     g["tokens_identical_to_engine"] = [a == b for a, b in zip(generator.tokens, ours[dtypes[0]].tokens)]
