@@ -1,5 +1,8 @@
 """Shared fixtures."""
 
+import gc
+
+import jax
 import pytest
 
 
@@ -15,3 +18,13 @@ def tiny_tagged_model_dir(tmp_path_factory):
   _, model, tok = config_lib.load_model(mc)
   return export_hf(model, model.cfg, str(tmp_path_factory.mktemp("tiny_tagged") / "hf"),
                    tokenizer=tok)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drop JAX's compiled programs after each test module: XLA:CPU maps memory for every
+  executable, and a whole-suite run in one process otherwise reaches the kernel's
+  ``vm.max_map_count`` (65530 here) and segfaults inside a later compile."""
+  yield
+  jax.clear_caches()
+  gc.collect()
