@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -278,32 +279,6 @@ def host_overhead(engine_runner: EngineRunner, repeats: int = 30) -> dict[str, A
           "target_fraction_le": 0.10, "definition": host_overhead.__doc__.split("\n\n")[0]}
 
 
-class GeneratorRunner:
-  """The removed ``decoding.generate.Generator`` (batch 1), for the one run that compared it
-  with the engine before it was deleted (``--with_generator``; absent once the file is gone)."""
-
-  def __init__(self, model, prompt_ids, new_tokens: int):
-    from selforch_jax.decoding.generate import Generator  # only while it exists
-    self.gen, self.prompt_ids, self.n = Generator(model), prompt_ids, new_tokens
-    self.compile_s, self.tokens = 0.0, []
-    self.tps, self.prefill, self.e2e = [], [], []
-    for ids in prompt_ids:
-      res, st = self.gen.generate([ids], max_new_tokens=new_tokens, stop_ids=())
-      self.compile_s += st.compile_s
-      self.tokens.append([int(t) for t in res[0].token_ids])
-
-  def run(self, i: int) -> None:
-    res, st = self.gen.generate([self.prompt_ids[i]], max_new_tokens=self.n, stop_ids=())
-    self.tps.append(st.decode_tokens_per_s)
-    self.prefill.append(st.prefill_ms)
-    self.e2e.append(self.n / (st.prefill_ms / 1000 + st.decode_s))
-
-  def summary(self) -> dict[str, Any]:
-    out = _summary(self.tps, self.prefill)
-    out["end_to_end_tokens_per_s"] = _r(_median(self.e2e), 2)
-    return out
-
-
 class TorchRunner:
   """transformers on the GGUF dequantised to float32: generate() and a hand-written loop."""
 
@@ -401,6 +376,28 @@ class TorchRunner:
     if self.loop1_tps:
       out["cached_loop_1thread"] = _summary(self.loop1_tps, self.loop1_prefill)
     return out
+
+
+_LLAMACPP_PROBE = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=1, n_ctx=64, verbose=False)
+llm.eval([1, 2, 3])
+"""
+
+
+def probe_llamacpp(gguf_path: str) -> str | None:
+  """Load the GGUF in llama.cpp and decode 3 tokens in a child process (a llama.cpp build that
+  crashes in native code would take this whole benchmark down); None if it works, else why."""
+  try:
+    r = subprocess.run([sys.executable, "-c", _LLAMACPP_PROBE, gguf_path], capture_output=True,
+                       text=True, timeout=120)
+  except subprocess.TimeoutExpired:
+    return "llama.cpp probe timed out"
+  if r.returncode == 0:
+    return None
+  if "ModuleNotFoundError" in r.stderr:
+    raise ImportError("llama_cpp")
+  return f"llama.cpp crashed in a probe decode (exit {r.returncode}): {r.stderr.strip()[-200:]}"
 
 
 class LlamaCppRunner:
@@ -502,8 +499,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help="skip the extra single-thread runs of transformers' loop and llama.cpp")
   p.add_argument("--layer_loops", default="scan,unroll",
                  help="layer loops timed for the first dtype (ModelConfig.layer_loop), side by side")
-  p.add_argument("--with_generator", action="store_true",
-                 help="also time the old decoding.generate.Generator (while it exists)")
   p.add_argument("--skip_torch", action="store_true")
   p.add_argument("--skip_llamacpp", action="store_true")
   p.add_argument("--bandwidth_mb", type=int, default=512, help="size of the copied array")
@@ -538,7 +533,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   # ---- load + warm up every system ------------------------------------------------------
   ours: dict[str, EngineRunner] = {}
-  generator: GeneratorRunner | None = None
   other_loops: dict[str, EngineRunner] = {}
   ours_info: dict[str, dict[str, Any]] = {}
   gguf_path, stop_ids, prompt_ids, forward_cost = None, [], None, {}
@@ -549,15 +543,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if prompt_ids is None:
       prompt_ids, stop_ids = encode_prompts(instructions, gguf_path, cfg.vocab_size)
     ours[dtype] = EngineRunner(model, prompt_ids, args.new_tokens)
-    if dtype == dtypes[0] and args.with_generator:
-      generator = GeneratorRunner(model, prompt_ids, args.new_tokens)
     if dtype == dtypes[0]:
       for loop in [l.strip() for l in args.layer_loops.split(",") if l.strip()]:
-        if loop != cfg.resolved_layer_loop():
+        if loop != cfg.resolved_layer_loop(decode=True):
           other_loops[loop] = EngineRunner(with_layer_loop(model, loop), prompt_ids,
                                            args.new_tokens)
     ours_info[dtype] = {"load_s": _r(load_s, 2), "param_bytes": param_bytes(model),
-                        "layer_loop": cfg.resolved_layer_loop(),
+                        "layer_loop": cfg.resolved_layer_loop(decode=True),
                         "num_params": int(cfg.num_params())}
     if dtype == dtypes[0]:
       Ts = [int(t) for t in args.forward_T.split(",") if t.strip()]
@@ -581,7 +573,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   elif gguf_path is None:
     result["llamacpp"] = {"status": "skipped (random model: no GGUF)"}
   else:
+    probe = probe_llamacpp(gguf_path)
     try:
+      if probe is not None:
+        raise RuntimeError(probe)
       llama_runner = LlamaCppRunner(gguf_path, prompt_ids, args.new_tokens, args.threads)
       if not args.no_1thread and args.threads != 1:
         llama_runner1 = LlamaCppRunner(gguf_path, prompt_ids, args.new_tokens, 1)
@@ -595,8 +590,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for i in range(len(prompt_ids)):
       for runner in ours.values():
         runner.run(i)
-      if generator is not None:
-        generator.run(i)
       for runner in other_loops.values():
         runner.run(i)
       if torch_runner is not None and (r == 0 or torch_runner.seconds < args.torch_budget_s):
@@ -621,12 +614,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sm["tokens_identical_to_default"] = [a == b for a, b in zip(runner.tokens, ours[d0].tokens)]
     sm["over_default"] = _r(sm["decode_tokens_per_s"] / loops[ours_info[d0]["layer_loop"]])
     result["layer_loop"]["runs"][loop] = sm
-  if generator is not None:
-    g = generator.summary()
-    g["tokens_identical_to_engine"] = [a == b for a, b in zip(generator.tokens, ours[dtypes[0]].tokens)]
-    g["engine_over_generator"] = _r(result["ours"][dtypes[0]]["decode_tokens_per_s"]
-                                    / g["decode_tokens_per_s"])
-    result["generator"] = g
   if forward_cost:
     fwd1 = forward_cost["ms"].get("1")
     x = result["ours"][dtypes[0]]["decode_tokens_per_s"]

@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   if loops:
     lT = [int(t) for t in a.layer_loop_T.split(",") if t]
     out["layer_loop"] = dict(
-        default=engine.cfg.resolved_layer_loop(), context_tokens=context, T=lT,
+        default=engine.cfg.resolved_layer_loop(decode=True), context_tokens=context, T=lT,
         repeats=max(3, repeats // 2),
         **layer_loop_compare(model, loops, context, num_pages, a.page_size, lT,
                              max(3, repeats // 2), rng))

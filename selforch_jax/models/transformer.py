@@ -453,7 +453,8 @@ class Transformer(nnx.Module):
                                                        (B, T, cfg.hidden_size)):
       raise ValueError(f"mlp_keep shape {mlp_keep.shape} is neither [D] nor [B, T, D]")
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
-    if layer_params is not None and cfg.resolved_layer_loop() != "unroll":
+    loop = cfg.resolved_layer_loop(decode=kv_cache is not None)
+    if layer_params is not None and loop != "unroll":
       raise ValueError("layer_params (per-layer weights) needs layer_loop='unroll'")
     params = view_params(layer_params if layer_params is not None else self.layers.stacked(),
                          cfg, view)
@@ -524,7 +525,7 @@ class Transformer(nnx.Module):
     if cfg.remat:
       layer = jax.checkpoint(layer)
 
-    if cfg.resolved_layer_loop() == "unroll":
+    if loop == "unroll":
       # a Python loop over the layers (static layer index): no scan carry; with a cache, each
       # layer attends over a copy of its key window and the new K/V of all layers are scattered
       # into the stacked cache in one write at the end (chained per-layer writes into the

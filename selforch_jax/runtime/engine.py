@@ -194,7 +194,7 @@ class Engine:
     self.cfg = model.cfg
     self.graphdef, self.state = nnx.split(model)
     # an unrolled layer loop reads per-layer weight arrays (no slice copies of the stacked ones)
-    self.layers = unstack_layers(model) if self.cfg.resolved_layer_loop() == "unroll" else None
+    self.layers = unstack_layers(model) if self.cfg.resolved_layer_loop(decode=True) == "unroll" else None
     self.pool = KVPool.for_model_config(self.cfg, num_pages, page_size)
     self.num_slots = self.pool.num_slots
     self.cache = KVCache.zeros(self.cfg, 1, self.num_slots)
