@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 __all__ = ["Answer", "RUNTIMES", "TAGGED_RUNTIMES", "DEFAULT_ADAPTERS", "generate",
            "decode_ids", "load", "check_adapter", "ApiError"]
 
-RUNTIMES = ("ar", "pasta", "tip", "sot", "apar", "streaming_llm", "h2o")
+RUNTIMES = ("ar", "pasta", "tip", "sot", "apar", "streaming_llm", "h2o", "ptd", "pld", "lookahead")
+SPECULATIVE_RUNTIMES = ("ptd", "pld", "lookahead")  # lossless draft + verify on the engine
 TAGGED_RUNTIMES = ("pasta", "tip")          # need a model with the orchestration tags
 DEFAULT_ADAPTERS = {("pasta", "smollm2_135m"): "adapters/pasta_smollm2_135m"}
 DEFAULT_KV_BUDGET = 256                     # streaming_llm / h2o live tokens per request
@@ -185,6 +186,11 @@ def _pool(runtime: str, prompt_lens: list[int], max_new: int, options: dict, tv)
   if runtime == "apar":  # one prompt at a time; each child ends in a page of its own
     return dict(prompt_lens=[max(prompt_lens)], max_new_tokens=max_new,
                 threads=int(options.get("max_forks", 8)) + 1)
+  if runtime in SPECULATIVE_RUNTIMES:
+    # a step that accepts guesses relabels their pages into the sequence (at worst one page per
+    # generated token), and the tree step's owner needs pages for up to 64 tree tokens
+    return dict(prompt_lens=prompt_lens, max_new_tokens=max_new, threads=max_new + 4,
+                extra_tokens=64)
   return dict(prompt_lens=prompt_lens, max_new_tokens=max_new)
 
 
@@ -361,6 +367,13 @@ def _answer(runtime, sched, j, tok, tv, decode, wall) -> Answer:
     fw = max(r.forwards, 1)
     return Answer(decode(ids), ids, res.finish_reason, r.forwards, r.tokens / fw, r.wall_s,
                   figures=dict(forks=r.forks, max_parallel=r.max_parallel, tokens=r.tokens))
+  if runtime in SPECULATIVE_RUNTIMES:
+    st = sched.stats[j]
+    figs = {k: v for k, v in st.items() if k not in ("forwards", "tokens_per_forward")
+            and isinstance(v, (int, float, str))}
+    return Answer(decode(ids), ids, res.finish_reason, int(st["forwards"]),
+                  float(st["tokens_per_forward"]), wall, logprobs=list(res.logprobs),
+                  figures=figs)
   tokens = len(ids) + int(stopped)
   figs: dict = {}
   notes: tuple = ()

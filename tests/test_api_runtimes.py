@@ -129,3 +129,19 @@ def test_errors(tiny):
       api.decode_ids(model, tok, [p], runtime=runtime, tag_vocab=None)
   with pytest.raises(ValueError, match="none empty"):
     api.decode_ids(model, tok, [p, []])
+
+
+@pytest.mark.parametrize("runtime", api.SPECULATIVE_RUNTIMES)
+def test_speculative_runtimes_through_the_api_equal_ar(tiny, runtime):
+  """PTD / PLD / Lookahead through decode_ids: the same tokens and text as AR greedy (lossless),
+  their own forward count and acceptance figures."""
+  model, tok = tiny
+  prompts = [tok.encode("ab ab ab ab ab ab ab ab"), tok.encode("xyz xyz xyz xyz")]
+  ar_rows = api.decode_ids(model, tok, prompts, runtime="ar", max_new_tokens=24)
+  rows = api.decode_ids(model, tok, prompts, runtime=runtime, max_new_tokens=24)
+  for a, b in zip(ar_rows, rows):
+    assert b.token_ids == a.token_ids and b.text == a.text
+    assert b.finish_reason == a.finish_reason
+    assert 1 <= b.forwards <= len(b.token_ids) + 1
+    assert b.tokens_per_forward == pytest.approx(len(b.token_ids) / b.forwards)
+    assert b.figures["mean_accepted"] >= 0.0
