@@ -6,13 +6,10 @@ import abc
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from selforch_jax.tokenizers.chat_template import render_chat_template
 
-if TYPE_CHECKING:
-  from selforch_jax.tokenizers.hf import HFTokenizer
-  from selforch_jax.tokenizers.sentencepiece import SentencePieceTokenizer
 
 __all__ = ["Tokenizer", "check_encodable"]
 
@@ -325,7 +322,7 @@ class Tokenizer(abc.ABC):
   # ---- constructors -------------------------------------------------------------------------
 
   @classmethod
-  def from_gguf(cls, path_or_reader: str | os.PathLike | Any) -> HFTokenizer:
+  def from_gguf(cls, path_or_reader: str | os.PathLike | Any) -> "Tokenizer":
     """Build the tokenizer described by a GGUF file's ``tokenizer.*`` metadata.
 
     Supported ``tokenizer.ggml.model`` values:
@@ -357,12 +354,10 @@ class Tokenizer(abc.ABC):
       ValueError: no tokenizer metadata, an unsupported ``tokenizer.ggml.model`` or
         ``tokenizer.ggml.pre`` (the message names the value).
     """
-    from selforch_jax.tokenizers.gguf import load_gguf  # noqa: PLC0415 - import cycle
-
-    return load_gguf(path_or_reader)
+    return _LOADERS["gguf"](path_or_reader)
 
   @classmethod
-  def from_hf_dir(cls, directory: str | os.PathLike) -> HFTokenizer:
+  def from_hf_dir(cls, directory: str | os.PathLike) -> "Tokenizer":
     """Load a Hugging Face tokenizer directory.
 
     Reads ``tokenizer.json`` (required), ``tokenizer_config.json`` (``bos_token``,
@@ -381,9 +376,7 @@ class Tokenizer(abc.ABC):
     Raises:
       FileNotFoundError: the directory has no ``tokenizer.json``.
     """
-    from selforch_jax.tokenizers.hf import load_hf_dir  # noqa: PLC0415 - import cycle
-
-    return load_hf_dir(directory)
+    return _LOADERS["hf_dir"](directory)
 
   @classmethod
   def from_sentencepiece(
@@ -393,7 +386,7 @@ class Tokenizer(abc.ABC):
     *,
     add_bos: bool = False,
     add_eos: bool = False,
-  ) -> SentencePieceTokenizer:
+  ) -> "Tokenizer":
     """Load a SentencePiece ``.model`` file.
 
     BOS/EOS/PAD/UNK ids come from the model (``-1`` there means none; PAD then falls back to
@@ -411,9 +404,18 @@ class Tokenizer(abc.ABC):
     Raises:
       FileNotFoundError: the file does not exist.
     """
-    from selforch_jax.tokenizers.sentencepiece import load_sentencepiece  # noqa: PLC0415 - import cycle
+    return _LOADERS["sentencepiece"](model_path, chat_template, add_bos=add_bos, add_eos=add_eos)
 
-    return load_sentencepiece(model_path, chat_template, add_bos=add_bos, add_eos=add_eos)
+
+# the ``Tokenizer.from_*`` constructors: each backend module registers its loader when the
+# package imports it (so this module imports no backend and no cycle runs through it)
+_LOADERS: dict[str, Any] = {}
+
+
+def register_loader(kind: str, loader) -> None:
+  """Register the builder ``Tokenizer.from_<kind>`` calls (``gguf``, ``hf_dir``,
+  ``sentencepiece``)."""
+  _LOADERS[kind] = loader
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from collections.abc import Sequence
@@ -11,6 +10,8 @@ from typing import Any
 import tokenizers as hf_tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from selforch_jax.tokenizers.base import register_loader
+from selforch_jax.tokenizers.byte_table import bytes_to_unicode as _bytes_to_unicode
 from selforch_jax.tokenizers.hf import HFTokenizer
 
 __all__ = [
@@ -125,20 +126,6 @@ def _gguf_value(reader: Any, key: str, default: Any = None) -> Any:
     return default
   value = field.contents()
   return default if value is None else value
-
-
-@functools.lru_cache(maxsize=1)
-def _bytes_to_unicode() -> dict[int, str]:
-  """GPT-2's reversible byte -> printable unicode character table."""
-  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-  cs = bs[:]
-  n = 0
-  for b in range(256):
-    if b not in bs:
-      bs.append(b)
-      cs.append(256 + n)
-      n += 1
-  return dict(zip(bs, map(chr, cs)))
 
 
 def _unique_vocab(keys: list[str]) -> dict[str, int]:
@@ -279,3 +266,6 @@ def _register_gguf_added_tokens(
     backend.add_special_tokens(special)
   if user:
     backend.add_tokens(user)
+
+
+register_loader("gguf", load_gguf)

@@ -12,7 +12,8 @@ from typing import Any
 import tokenizers as hf_tokenizers
 from tokenizers import AddedToken, decoders, processors
 
-from selforch_jax.tokenizers.base import Tokenizer, _check_new_tokens
+from selforch_jax.tokenizers.base import Tokenizer, _check_new_tokens, register_loader
+from selforch_jax.tokenizers.byte_table import bytes_to_unicode
 
 __all__ = ["HFTokenizer", "load_hf_dir"]
 
@@ -22,9 +23,7 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback
 @functools.lru_cache(maxsize=1)
 def _unicode_to_bytes() -> dict[str, int]:
   """Inverse of GPT-2's byte -> printable character table (byte-level BPE vocabularies)."""
-  from selforch_jax.tokenizers.gguf import _bytes_to_unicode  # noqa: PLC0415 - import cycle
-
-  return {ch: b for b, ch in _bytes_to_unicode().items()}
+  return {ch: b for b, ch in bytes_to_unicode().items()}
 
 
 def _has_byte_level_decoder(backend: hf_tokenizers.Tokenizer) -> bool:
@@ -206,3 +205,6 @@ def _post_processor_adds(backend: hf_tokenizers.Tokenizer, bos_id: int | None, e
   adds_bos = bos_id is not None and full[0] == bos_id and (not plain or plain[0] != bos_id)
   adds_eos = eos_id is not None and full[-1] == eos_id and (not plain or plain[-1] != eos_id)
   return adds_bos, adds_eos
+
+
+register_loader("hf_dir", load_hf_dir)

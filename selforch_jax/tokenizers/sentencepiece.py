@@ -9,7 +9,7 @@ from typing import Any
 
 import sentencepiece as spm
 
-from selforch_jax.tokenizers.base import Tokenizer, _check_new_tokens
+from selforch_jax.tokenizers.base import Tokenizer, _check_new_tokens, register_loader
 
 __all__ = ["SentencePieceTokenizer", "load_sentencepiece"]
 
@@ -157,3 +157,6 @@ def load_sentencepiece(
   return SentencePieceTokenizer(
     processor, chat_template=chat_template, add_bos=add_bos, add_eos=add_eos, name_or_path=model_path
   )
+
+
+register_loader("sentencepiece", load_sentencepiece)
