@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from selforch_jax.runtime.engine import Engine
-from selforch_jax.runtime.generation import check_context
 from selforch_jax.runtime.ngram import Trie
-from selforch_jax.runtime.registry import fresh_bases, register
+from selforch_jax.runtime.registry import register
 from selforch_jax.runtime.sampling import SamplingParams
-from selforch_jax.runtime.schedulers.spec_base import Draft, SpecScheduler
+from selforch_jax.runtime.schedulers.spec_base import Draft, SpecScheduler, spec_factory
 
 
 def window_draft(levels: np.ndarray) -> Draft:
@@ -101,15 +99,4 @@ class LookaheadScheduler(SpecScheduler):
     req.extra["stats"] = dict(pool_keys=len(pool))
 
 
-@register("lookahead")
-def _lookahead(engine: Engine, prompts, *, max_new_tokens: int, sampling=SamplingParams(),
-               stop_ids=(), tag_vocab=None, **opts) -> LookaheadScheduler:
-  """Lookahead decoding (:class:`LookaheadScheduler`); ``tag_vocab`` is accepted and unused.
-
-  Raises:
-    ContextLengthError: a prompt plus ``max_new_tokens`` exceeds the model's context.
-  """
-  check_context([len(p) for p in prompts], max_new_tokens, engine.cfg.max_position_embeddings)
-  ob, sb = fresh_bases(engine)
-  opts.setdefault("max_pos", engine.cfg.max_position_embeddings)
-  return LookaheadScheduler(prompts, max_new_tokens, sampling, stop_ids, ob, sb, **opts)
+register("lookahead")(spec_factory(LookaheadScheduler))

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from selforch_jax.runtime.engine import Engine
-from selforch_jax.runtime.generation import check_context
 from selforch_jax.runtime.ngram import prompt_lookup
-from selforch_jax.runtime.registry import fresh_bases, register
+from selforch_jax.runtime.registry import register
 from selforch_jax.runtime.sampling import SamplingParams
-from selforch_jax.runtime.schedulers.spec_base import Draft, SpecScheduler
+from selforch_jax.runtime.schedulers.spec_base import Draft, SpecScheduler, spec_factory
 
 
 class PLDScheduler(SpecScheduler):
@@ -51,15 +49,4 @@ class PLDScheduler(SpecScheduler):
     return (np.arange(-1, n, dtype=np.int64), np.asarray([0] + chain, np.int64), Draft.empty())
 
 
-@register("pld")
-def _pld(engine: Engine, prompts, *, max_new_tokens: int, sampling=SamplingParams(),
-         stop_ids=(), tag_vocab=None, **opts) -> PLDScheduler:
-  """PLD (:class:`PLDScheduler`); ``tag_vocab`` is accepted and unused.
-
-  Raises:
-    ContextLengthError: a prompt plus ``max_new_tokens`` exceeds the model's context.
-  """
-  check_context([len(p) for p in prompts], max_new_tokens, engine.cfg.max_position_embeddings)
-  ob, sb = fresh_bases(engine)
-  opts.setdefault("max_pos", engine.cfg.max_position_embeddings)
-  return PLDScheduler(prompts, max_new_tokens, sampling, stop_ids, ob, sb, **opts)
+register("pld")(spec_factory(PLDScheduler))

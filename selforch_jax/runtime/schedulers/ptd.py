@@ -38,12 +38,11 @@ from typing import Sequence
 
 import numpy as np
 
-from selforch_jax.runtime.engine import Engine
-from selforch_jax.runtime.generation import check_context
 from selforch_jax.runtime.ngram import TrieCache
-from selforch_jax.runtime.registry import fresh_bases, register
+from selforch_jax.runtime.registry import register
 from selforch_jax.runtime.sampling import SamplingParams
-from selforch_jax.runtime.schedulers.spec_base import Draft, Request, SpecScheduler
+from selforch_jax.runtime.schedulers.spec_base import Draft, Request, SpecScheduler, spec_factory
+from selforch_jax.runtime.verify import greedy_tree
 
 # upstream configs/tree_config.json + cache settings (configs/ptd.py holds them with the CPU
 # overrides)
@@ -261,7 +260,6 @@ class PTDScheduler(SpecScheduler):
   def on_step(self, plan, result):
     kind, i, info = plan.tag
     if kind == "decode" and self.record_budgets and self.sampling.greedy:
-      from selforch_jax.runtime.verify import greedy_tree
       parents, toks, _ = info
       am = np.asarray(result.logits[:parents.size].argmax(-1))
       for b in self.record_budgets:
@@ -286,20 +284,4 @@ class PTDScheduler(SpecScheduler):
                        counterfactual={b: float(np.mean(v)) for b, v in ex["cf"].items() if v})
 
 
-def _opts_from(kw: dict, engine: Engine) -> dict:
-  kw.setdefault("max_pos", engine.cfg.max_position_embeddings)
-  return kw
-
-
-@register("ptd")
-def _ptd(engine: Engine, prompts, *, max_new_tokens: int, sampling=SamplingParams(),
-         stop_ids=(), tag_vocab=None, **opts) -> PTDScheduler:
-  """PTD (:class:`PTDScheduler`); ``tag_vocab`` is accepted and unused.
-
-  Raises:
-    ContextLengthError: a prompt plus ``max_new_tokens`` exceeds the model's context.
-  """
-  check_context([len(p) for p in prompts], max_new_tokens, engine.cfg.max_position_embeddings)
-  ob, sb = fresh_bases(engine)
-  return PTDScheduler(prompts, max_new_tokens, sampling, stop_ids, ob, sb,
-                      **_opts_from(dict(opts), engine))
+register("ptd")(spec_factory(PTDScheduler))

@@ -30,14 +30,17 @@ the step's argmax rows).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from selforch_jax.runtime.generation import GenerationResult
+from selforch_jax.runtime.engine import Engine
+from selforch_jax.runtime.generation import GenerationResult, check_context
+from selforch_jax.runtime.registry import fresh_bases
 from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult
 from selforch_jax.runtime.verify import VerifyResult, target_probs, verify_tree
@@ -170,11 +173,11 @@ class SpecScheduler(Scheduler):
   def start(self, req: Request) -> None:
     """Called once after the prompt's prefill (the first token is committed)."""
 
+  @abc.abstractmethod
   def propose(self, req: Request, budget: int) -> tuple[np.ndarray, np.ndarray, Draft]:
     """The guess tree ``(parents [N+1], tokens [N+1])`` (node 0 = root, :func:`verify_tree`'s
     layout, at most ``min(budget, max_guess)`` nodes, depth = position offset) and the draft (at
     most ``budget - N`` nodes) of the next step of ``req``."""
-    raise NotImplementedError
 
   def observe(self, req: Request, draft: Draft, draft_argmax: np.ndarray,
               committed: list) -> None:
@@ -297,3 +300,28 @@ class SpecScheduler(Scheduler):
           new_tokens=len(r.tokens), decode_forwards=dec, accepted=list(r.accepted),
           mean_accepted=float(np.mean(r.accepted)) if r.accepted else 0.0,
           step_tokens=list(r.step_tokens), **r.extra.get("stats", {})))
+
+
+def spec_factory(cls: type[SpecScheduler]) -> Callable[..., SpecScheduler]:
+  """The registry factory of a :class:`SpecScheduler` subclass (what PTD, PLD and Lookahead
+  register): ``factory(engine, prompts, *, max_new_tokens, sampling=SamplingParams(),
+  stop_ids=(), tag_vocab=None, **opts)`` checks the context, picks fresh owner and segment
+  bases on ``engine``, defaults ``max_pos`` to the model's context and builds ``cls``;
+  ``tag_vocab`` is accepted (the registry passes it to every system) and unused.
+
+  Raises (from the factory):
+    ContextLengthError: a prompt plus ``max_new_tokens`` exceeds the model's context.
+    TypeError: an option ``cls`` does not take.
+  """
+  def factory(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+              sampling: SamplingParams = SamplingParams(), stop_ids=(), tag_vocab=None,
+              **opts) -> SpecScheduler:
+    max_pos = engine.cfg.max_position_embeddings
+    check_context([len(p) for p in prompts], max_new_tokens, max_pos)
+    owner_base, segment_base = fresh_bases(engine)
+    opts.setdefault("max_pos", max_pos)
+    return cls(prompts, max_new_tokens, sampling, stop_ids, owner_base, segment_base, **opts)
+
+  factory.__name__ = factory.__qualname__ = f"{cls.__name__}_factory"
+  factory.__doc__ = f"Build a :class:`{cls.__name__}` on ``engine`` (see :func:`spec_factory`)."
+  return factory
