@@ -2,15 +2,14 @@
 prompts), the pairwise judges (OpenAI-compatible backend against a local ``http.server``; the
 local-model backend through the engine) and the Pareto plot."""
 
-import http.server
 import json
 import math
-import threading
 
 import numpy as np
 import pytest
 
 from selforch_jax.eval import judges
+from tests.fake_openai import ChatHandler, serve
 from selforch_jax.eval import pasta as eval_pasta
 from selforch_jax.eval.plots import pareto_plot
 
@@ -70,38 +69,25 @@ def test_eval_pasta_tiny(tmp_path, tiny_tagged_model_dir):
   assert "pasta" in eval_pasta.summary(out)
 
 
-class _FakeJudge(http.server.BaseHTTPRequestHandler):
+class _FakeJudge(ChatHandler):
   """An OpenAI-compatible endpoint that prefers the longer output (answers m or M)."""
 
   requests = []
 
-  def do_POST(self):  # noqa: N802 - http.server API
-    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-    _FakeJudge.requests.append((self.path, self.headers.get("Authorization"), body))
+  def reply(self, path, auth, body):
+    _FakeJudge.requests.append((path, auth, body))
     prompt = body["messages"][0]["content"]
     a = prompt.split("### Output (m)\n\n")[1].split("\n\n### Output (M)")[0]
     b = prompt.split("### Output (M)\n\n")[1].split("\n\n## Task")[0]
     reply = "m" if len(a) > len(b) else ("M" if len(b) > len(a) else "tie")
-    data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
-    self.send_response(200)
-    self.send_header("Content-Type", "application/json")
-    self.send_header("Content-Length", str(len(data)))
-    self.end_headers()
-    self.wfile.write(data)
-
-  def log_message(self, *args):
-    pass
+    return 200, {"choices": [{"message": {"role": "assistant", "content": reply}}]}
 
 
 def test_openai_judge_against_local_server():
-  server = http.server.HTTPServer(("127.0.0.1", 0), _FakeJudge)
-  threading.Thread(target=server.serve_forever, daemon=True).start()
-  try:
-    j = judges.OpenAIJudge(f"http://127.0.0.1:{server.server_port}/v1", "judge-x", api_key="k1")
+  with serve(_FakeJudge) as url:
+    j = judges.OpenAIJudge(url, "judge-x", api_key="k1")
     res = judges.win_rate(j, ["q1", "q2", "q3"], ["long answer", "s", "same"],
                           ["short", "longer one", "same"], n_boot=100)
-  finally:
-    server.shutdown()
   assert res["per_example"] == [1.0, 0.0, 0.5]
   assert res["ci"]["n"] == 3 and res["ci"]["mean"] == pytest.approx(0.5)
   assert res["unparsed"] == 2  # the tie, in both orders

@@ -1,7 +1,6 @@
 """The field's libraries behind our eval helpers: scipy's bootstrap (stats.py), the ``openai``
 client (judges.py, against a local stub server: no network) and ``math-verify`` (answers.py)."""
 
-import http.server
 import json
 import threading
 import time
@@ -12,6 +11,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from selforch_jax.eval import judges
+from tests.fake_openai import ChatHandler, serve
 from selforch_jax.eval.answers import is_correct, symbolic_equal
 from selforch_jax.eval.stats import bootstrap_ci, paired_bootstrap_diff
 
@@ -52,42 +52,28 @@ def test_bootstrap_single_value_and_stat_without_axis():
 # ---- judge client ------------------------------------------------------------------------------
 
 
-class _Stub(http.server.BaseHTTPRequestHandler):
+class _Stub(ChatHandler):
   """Chat completions: the first ``fail_first`` requests get 503; ``delay`` seconds before each."""
 
   fail_first = 0
   delay = 0.0
   seen: list = []
 
-  def do_POST(self):  # noqa: N802 - http.server API
-    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-    type(self).seen.append((self.headers.get("Authorization"), body))
+  def reply(self, path, auth, body):
+    type(self).seen.append((auth, body))
     time.sleep(type(self).delay)
     if len(type(self).seen) <= type(self).fail_first:
-      self.send_response(503)
-      self.send_header("Content-Length", "0")
-      self.end_headers()
-      return
-    data = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
-                       "choices": [{"index": 0, "finish_reason": "stop",
-                                    "message": {"role": "assistant", "content": "M"}}]}).encode()
-    self.send_response(200)
-    self.send_header("Content-Type", "application/json")
-    self.send_header("Content-Length", str(len(data)))
-    self.end_headers()
-    self.wfile.write(data)
-
-  def log_message(self, *args):
-    pass
+      return 503, None
+    return 200, {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                 "choices": [{"index": 0, "finish_reason": "stop",
+                              "message": {"role": "assistant", "content": "M"}}]}
 
 
 @pytest.fixture
 def stub():
   _Stub.fail_first, _Stub.delay, _Stub.seen = 0, 0.0, []
-  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
-  threading.Thread(target=server.serve_forever, daemon=True).start()
-  yield f"http://127.0.0.1:{server.server_port}/v1"
-  server.shutdown()
+  with serve(_Stub) as url:
+    yield url
 
 
 def test_openai_judge_retries_a_503(stub):

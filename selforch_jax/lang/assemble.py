@@ -153,6 +153,17 @@ def join_pieces(texts: Sequence[tuple[bool, str]]) -> str:
   return out
 
 
+def _assembler(token_ids: Sequence[int], tag_vocab: TagVocab, keep_topics: bool,
+               cap: int | None, length_unit: int, token_bytes: Any) -> "Assembler":
+  """Parse ``token_ids`` with a fresh :class:`StreamParser` into a filled :class:`Assembler`."""
+  parser = StreamParser(tag_vocab, cap=cap, length_unit=length_unit, token_bytes=token_bytes)
+  asm = Assembler(keep_topics=keep_topics)
+  for t in token_ids:
+    asm.add(parser.feed(int(t)))
+  asm.add(parser.finish())
+  return asm
+
+
 def assemble(token_ids: Sequence[int], tag_vocab: TagVocab, *, keep_topics: bool = False,
              cap: int | None = DEFAULT_CAP, length_unit: int = TOKENS_PER_UNIT,
              token_bytes: Any = None) -> list[int]:
@@ -168,12 +179,7 @@ def assemble(token_ids: Sequence[int], tag_vocab: TagVocab, *, keep_topics: bool
   Returns:
     list[int] in logical order (see the module docstring).
   """
-  parser = StreamParser(tag_vocab, cap=cap, length_unit=length_unit, token_bytes=token_bytes)
-  asm = Assembler(keep_topics=keep_topics)
-  for t in token_ids:
-    asm.add(parser.feed(int(t)))
-  asm.add(parser.finish())
-  return asm.tokens()
+  return _assembler(token_ids, tag_vocab, keep_topics, cap, length_unit, token_bytes).tokens()
 
 
 def assemble_pieces(token_ids: Sequence[int], tag_vocab: TagVocab, *, keep_topics: bool = False,
@@ -181,12 +187,7 @@ def assemble_pieces(token_ids: Sequence[int], tag_vocab: TagVocab, *, keep_topic
                     token_bytes: Any = None) -> list[tuple[bool, list[int]]]:
   """:func:`assemble` split at chunk boundaries: ``(is_chunk, ids)`` in logical order
   (:meth:`Assembler.pieces`; the ids concatenated are :func:`assemble`'s)."""
-  parser = StreamParser(tag_vocab, cap=cap, length_unit=length_unit, token_bytes=token_bytes)
-  asm = Assembler(keep_topics=keep_topics)
-  for t in token_ids:
-    asm.add(parser.feed(int(t)))
-  asm.add(parser.finish())
-  return asm.pieces()
+  return _assembler(token_ids, tag_vocab, keep_topics, cap, length_unit, token_bytes).pieces()
 
 
 def assemble_text(token_ids: Sequence[int], tag_vocab: TagVocab, tokenizer: Any, *,
