@@ -21,6 +21,14 @@ An adapter directory (a few MB instead of the run's full Orbax checkpoints) hold
 
 ``python -m selforch_jax.export --workdir=W --out=DIR --adapter`` writes one;
 :func:`load_adapter` (and ``eval.run.load_finetuned(DIR)``) rebuilds the LoRA-merged model.
+
+An **attention-view adapter** (Orthrus, ``"kind": "orthrus"``; :func:`export_view_adapter`) holds
+instead the diffusion view: ``layers.<proj>_diffusion_delta_a [L, *in, r]`` / ``_delta_b [L, r,
+*out]`` (the view is ``base + A @ B``, :func:`selforch_jax.models.orthrus.add_view_delta`) or,
+for a view trained in full, ``layers.<proj>_diffusion`` (plus ``q_norm_diffusion`` /
+``k_norm_diffusion`` where the family has q/k norms), and the ``<|mask|>`` row (``embed_rows`` / ``head_rows`` from
+``rows_from`` = the mask id); the config adds ``views``, ``view_rank`` (0 = full) and
+``block_size``. :func:`load_adapter` rebuilds the base with the view and the mask token.
 """
 
 from __future__ import annotations
@@ -143,6 +151,104 @@ def export_adapter(workdir: str, out_dir: str, step: int | None = None) -> str:
   return out_dir
 
 
+def _view_tensors(model) -> dict[str, np.ndarray]:
+  """``{"layers.<name>": float32}`` of the diffusion view: its low-rank deltas when the model has
+  them (:func:`~selforch_jax.models.orthrus.add_view_delta`), else the full view projections; q/k
+  norm copies always."""
+  from selforch_jax.models.orthrus import VIEW, view_delta_names
+  from selforch_jax.models.transformer import VIEW_PARAMS, view_param_names
+  layers = model.layers
+  names = []
+  for n, (vn, an, bn) in zip(VIEW_PARAMS, view_delta_names()):
+    names += [an, bn] if hasattr(layers, an) else [vn]
+  names += [f"{n}_{VIEW}" for n in view_param_names(model.cfg) if n not in VIEW_PARAMS]
+  return {f"layers.{k}": np.asarray(getattr(layers, k)[...], np.float32) for k in names}
+
+
+def export_view_adapter(model, tokenizer, out_dir: str, model_section: dict, *,
+                        block_size: int, source: dict | None = None,
+                        training: dict | None = None, metrics: dict | None = None) -> str:
+  """Write an Orthrus attention-view adapter (module docstring) of ``model`` to ``out_dir``.
+
+  Args:
+    model: a model with the diffusion view and the mask row (``add_orthrus``), optionally with
+      view deltas. tokenizer: its tokenizer (has ``<|mask|>``), or None.
+    model_section: the ``model`` config section the base is rebuilt from (``lora_rank`` 0).
+    block_size: the block the view was trained for (the runtime's default).
+    source / training / metrics: recorded for a model card.
+
+  Returns:
+    ``out_dir``.
+
+  Raises:
+    ValueError: the model has no diffusion view.
+  """
+  from safetensors.numpy import save_file
+
+  from selforch_jax.models.orthrus import MASK_TOKEN, mask_token_id, view_delta_names
+  mask_id = mask_token_id(model, tokenizer)
+  tensors = _view_tensors(model) | _row_tensors(model, mask_id)
+  rank = (int(getattr(model.layers, view_delta_names()[0][1]).shape[-1])
+          if hasattr(model.layers, view_delta_names()[0][1]) else 0)
+  meta = {"format": "selforch_jax.adapter/1", "kind": "orthrus", "model": dict(model_section),
+          "views": list(model.cfg.attn_views), "view_rank": rank, "block_size": int(block_size),
+          "rows_from": mask_id, "vocab_size": int(model.cfg.vocab_size),
+          "added_tokens": [[MASK_TOKEN, mask_id]],
+          "tensors": {k: list(v.shape) for k, v in sorted(tensors.items())},
+          "source": source or {}, "training": training or {}, "metrics": metrics or {}}
+  os.makedirs(out_dir, exist_ok=True)
+  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+            os.path.join(out_dir, TENSORS_FILE), metadata={"format": "np"})
+  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+    json.dump(meta, f, indent=2)
+  return out_dir
+
+
+def _check_tensors(expected: dict, tensors: dict) -> None:
+  for k in sorted(set(expected) | set(tensors)):
+    if k not in tensors:
+      raise ValueError(f"adapter tensor {k!r} {tuple(expected[k])} is missing")
+    if k not in expected:
+      raise ValueError(f"unexpected adapter tensor {k!r}: the rebuilt model has no such parameter")
+    if tuple(tensors[k].shape) != tuple(expected[k]):
+      raise ValueError(f"adapter tensor {k!r} has shape {tuple(tensors[k].shape)}, the model "
+                       f"needs {tuple(expected[k])}")
+
+
+def _load_view_adapter(meta: dict, tensors: dict):
+  """``(model, tokenizer)`` of an Orthrus adapter: base + diffusion view + mask row."""
+  import jax.numpy as jnp
+  import ml_collections
+
+  from selforch_jax import config_lib
+  from selforch_jax.models.orthrus import add_orthrus, add_view_delta, apply_view_delta, \
+      view_delta_names
+  mc = ml_collections.ConfigDict(meta["model"])
+  _, base, tok = config_lib.load_model(mc)
+  model, mask_id = add_orthrus(base, tok)
+  if mask_id != int(meta["rows_from"]):
+    raise ValueError(f"token '<|mask|>' has id {mask_id} in the rebuilt model, "
+                     f"{meta['rows_from']} in the adapter: the base model spec does not match")
+  rank = int(meta.get("view_rank", 0))
+  if rank:
+    add_view_delta(model, rank)
+  expected = {k: v.shape for k, v in (_view_tensors(model) | _row_tensors(model, mask_id)).items()}
+  _check_tensors(expected, tensors)
+  pd = model.cfg.jnp_param_dtype
+  for k, v in tensors.items():
+    if k.startswith("layers."):
+      getattr(model.layers, k[len("layers."):]).set_value(jnp.asarray(v, pd))
+  if rank:
+    apply_view_delta(model)
+    for _, an, bn in view_delta_names():
+      delattr(model.layers, an)
+      delattr(model.layers, bn)
+  model.embed[...] = model.embed[...].at[mask_id:].set(tensors["embed_rows"].astype(pd))
+  if "head_rows" in tensors:
+    model.lm_head[...] = model.lm_head[...].at[:, mask_id:].set(tensors["head_rows"].T.astype(pd))
+  return model, tok
+
+
 def is_adapter_dir(path: str) -> bool:
   """Whether ``path`` is an adapter directory (has ``adapter_config.json``)."""
   return os.path.exists(os.path.join(path, CONFIG_FILE))
@@ -177,6 +283,8 @@ def load_adapter(adapter_dir: str):
   with open(os.path.join(adapter_dir, CONFIG_FILE)) as f:
     meta = json.load(f)
   tensors = load_file(os.path.join(adapter_dir, TENSORS_FILE))
+  if meta.get("kind") == "orthrus":
+    return _load_view_adapter(meta, tensors)
   mc = ml_collections.ConfigDict(meta["model"])
   _, base, tok = config_lib.load_model(mc)
   for token, i in meta["added_tokens"]:
