@@ -179,6 +179,12 @@ class SpecScheduler(Scheduler):
     layout, at most ``min(budget, max_guess)`` nodes, depth = position offset) and the draft (at
     most ``budget - N`` nodes) of the next step of ``req``."""
 
+  def draft_probs(self, req: Request, n: int) -> np.ndarray | None:
+    """The distributions the guess tree's tokens were sampled from, float ``[n, V]`` (row 0,
+    the root, unused; :func:`~selforch_jax.runtime.verify.speculative_tree`'s ``draft_probs``),
+    or None for deterministic guesses (one-hot q; the default). Asked when sampling only."""
+    return None
+
   def observe(self, req: Request, draft: Draft, draft_argmax: np.ndarray,
               committed: list) -> None:
     """After a decode step: the argmax at each fed draft node, and the tokens just committed."""
@@ -256,7 +262,7 @@ class SpecScheduler(Scheduler):
         vr = verify_tree(parents, gtoks, am[:ng + 1], self.sampling)
       else:
         vr = verify_tree(parents, gtoks, np.asarray(result.logits[:ng + 1]), self.sampling,
-                         req.rng)
+                         req.rng, self.draft_probs(req, ng + 1))
       rows = np.concatenate([[0], vr.path]).astype(np.int64)
       toks = vr.tokens.astype(np.int64)
       lps = np.asarray(result.logits[rows, toks]) - lse[rows]
