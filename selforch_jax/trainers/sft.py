@@ -60,6 +60,11 @@ class SFTTrainer:
     rules: logical-axis rules.
     masked: batches carry ``mask`` bool ``[B, T, T]`` (annotated data,
       :mod:`selforch_jax.data.annotated`) instead of ``segment_ids`` int32 ``[B, T]``.
+    trainable: optional NNX filter of the trained variables, instead of the ``lora`` /
+      ``train_embed_rows_from`` choice (e.g. Orthrus's diffusion view,
+      :mod:`selforch_jax.trainers.orthrus`).
+    batch_keys: optional batch keys instead of the default ones (each ``[B, ...]`` 2-D, or
+      ``mask`` 3-D).
 
   Raises:
     ValueError: if ``lora`` is set but the model has no adapters, or the batch size does
@@ -68,7 +73,8 @@ class SFTTrainer:
 
   def __init__(self, model: Transformer, mesh: Mesh, optim, total_steps: int, *,
                lora: bool = False, train_embed_rows_from: int = -1, rules=shd.DEFAULT_RULES,
-               masked: bool = False, new_rows_lr_mult: float = 1.0):
+               masked: bool = False, new_rows_lr_mult: float = 1.0, trainable=None,
+               batch_keys: tuple[str, ...] | None = None):
     if lora and not model.cfg.lora_rank:
       raise ValueError("lora=True but model.lora_rank == 0: set model.lora_rank > 0")
     self.cfg = model.cfg
@@ -78,7 +84,7 @@ class SFTTrainer:
     if new_rows_lr_mult <= 0:
       raise ValueError(f"new_rows_lr_mult must be > 0, got {new_rows_lr_mult}")
     self.new_rows_lr_mult = float(new_rows_lr_mult)
-    filt = trainable_filter(lora, self.embed_from >= 0)
+    filt = trainable if trainable is not None else trainable_filter(lora, self.embed_from >= 0)
     self.graphdef, params, frozen = nnx.split(model, filt, ...)
     self.tx, self.schedule = make_optimizer(optim, total_steps)
     self.params_sh = shd.state_shardings(params, mesh, rules)
@@ -93,7 +99,8 @@ class SFTTrainer:
         is_leaf=lambda x: isinstance(x, nnx.State))
     self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sh)(self.params)
     self.step = 0
-    self.batch_keys = MASKED_BATCH_KEYS if masked else BATCH_KEYS
+    self.batch_keys = tuple(batch_keys) if batch_keys else (MASKED_BATCH_KEYS if masked
+                                                            else BATCH_KEYS)
     self._batch_sh = {k: shd.batch_sharding(mesh, 3 if k == "mask" else 2) for k in self.batch_keys}
     self._train = jax.jit(
         self._train_step,
