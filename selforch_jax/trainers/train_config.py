@@ -44,13 +44,20 @@ def defaults() -> ml_collections.ConfigDict:
   mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   from selforch_jax.trainers.bonbon_config import bonbon_defaults
   from selforch_jax.trainers.grpo_config import grpo_defaults
-  # trainer: "sft" (this module's loop), "grpo" or "bonbon" (trainers/po_run.py)
+  # Orthrus (trainers/orthrus.py): diffusion block, loss (kl | ce), view_rank (0 = full view
+  # copies, else a low-rank delta), the continuation cache's sources ("gsm8k:96,alpaca:32"; ""
+  # = data.path is given), its token budget and batch, and where the adapter goes
+  orthrus = ml_collections.ConfigDict(dict(
+      block_size=8, loss="kl", view_rank=16, sources="", max_new_tokens=128, gen_batch_size=16,
+      adapter_out=""))
+  # trainer: "sft" / "orthrus" (this module's loop), "grpo" or "bonbon" (trainers/po_run.py)
   return ml_collections.ConfigDict(dict(model=model, data=data, optim=optim_defaults(),
                                         train=train, mesh=mesh, trainer="sft",
-                                        grpo=grpo_defaults(), bonbon=bonbon_defaults()))
+                                        grpo=grpo_defaults(), bonbon=bonbon_defaults(),
+                                        orthrus=orthrus))
 
 
-TRAINERS = ("sft", "grpo", "bonbon")
+TRAINERS = ("sft", "grpo", "bonbon", "orthrus")
 
 
 def validate_po(config: ml_collections.ConfigDict) -> None:
