@@ -32,9 +32,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   config_lib.validate_model(config.model)
   if config.trainer not in TRAINERS:
     raise config_lib.ConfigError(f"trainer={config.trainer!r} must be one of {TRAINERS}")
-  if config.trainer != "sft":
+  if config.trainer in ("grpo", "bonbon"):
     from selforch_jax.trainers.train_config import validate_po
     validate_po(config)
+  if config.trainer == "orthrus":
+    from selforch_jax.trainers.orthrus_run import validate_orthrus
+    validate_orthrus(config)
   from selforch_jax.data.sources import DATASETS
   try:
     DataConfig.from_any(config.data)
@@ -163,6 +166,9 @@ def build(config, workdir: str):
   from selforch_jax.trainers.checkpoint import Checkpointer
   from selforch_jax.trainers.sft import SFTTrainer
 
+  if config.trainer == "orthrus":
+    from selforch_jax.trainers.orthrus_run import build_orthrus
+    return build_orthrus(config, workdir)
   mc = config.model
   cfg, model, tok = config_lib.load_model(mc)
   if tok is None:
@@ -321,6 +327,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   ckpt.close()
   summary = {"step": trainer.step, "preempted": stop["signal"] is not None,
              "checkpoint": ckpt.directory, **{k: v for k, v in last.items()}}
+  if config.trainer == "orthrus" and is_main:
+    from selforch_jax.trainers.orthrus_run import export_orthrus
+    summary["adapter"] = export_orthrus(config, trainer, tok, workdir)
   return summary
 
 
