@@ -1,0 +1,217 @@
+"""Orthrus (selforch_jax.runtime.schedulers.orthrus, selforch_jax.models.orthrus) on a tiny random
+model: greedy Orthrus equals AR greedy on 52 mixed prompts (untrained view and a perturbed one),
+the pool never holds diffusion K/V (live slots after every step), exact speculative sampling
+(chi-square against the exact AR distribution of the first three tokens; resampling from p
+instead of the residual on a rejection fails it), the train = decode oracle of the diffusion pass,
+EOS, the adapter round trip and the CLI-facing errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from selforch_jax.adapter import export_view_adapter, load_adapter
+from selforch_jax.models.orthrus import (VIEW, add_orthrus, add_view_delta, apply_view_delta,
+                                         dual_pass_logits, dual_pass_mask)
+from selforch_jax.runtime import verify as verify_mod
+from selforch_jax.runtime.sampling import SamplingParams
+from selforch_jax.runtime.scheduler import run
+from selforch_jax.runtime.schedulers import ar, make_scheduler, spec_base
+from tests.spec_prompts import ar_greedy, engine_for, mixed_prompts, spec_run, tiny_model
+from tests.test_ptd import _chi2, _exact_ar
+
+B = 8
+
+
+def _perturbed(model, scale=0.5, seed=1):
+  """``model`` with its diffusion view moved off the AR projections (a stand-in for training)."""
+  key = jax.random.PRNGKey(seed)
+  for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    key, sub = jax.random.split(key)
+    p = getattr(model.layers, f"{n}_{VIEW}")
+    p[...] = p[...] * (1 + scale * jax.random.normal(sub, p.shape, p.dtype))
+  return model
+
+
+@pytest.fixture(scope="module")
+def models():
+  plain, mask_id = add_orthrus(tiny_model())
+  pert, _ = add_orthrus(tiny_model())
+  return plain, _perturbed(pert), mask_id
+
+
+def _grouped(cases):
+  by_n = {}
+  for k, (_, n) in enumerate(cases):
+    by_n.setdefault(n, []).append(k)
+  return by_n
+
+
+def test_orthrus_greedy_equals_ar_on_mixed_prompts(models):
+  plain, pert, mask_id = models
+  short = [(q, min(n, 20)) for q, n in mixed_prompts(52)]   # the 400-token answer is below
+  for model, name, cases in ((plain, "untrained", short),
+                             (pert, "perturbed", mixed_prompts(8, seed=9))):
+    ref = ar_greedy(model, cases)
+    for n, ks in _grouped(cases).items():
+      s, _ = spec_run("orthrus", model, [cases[k][0] for k in ks], n, block_size=B,
+                      mask_id=mask_id)
+      for k, r, st in zip(ks, s.results, s.stats):
+        assert r.token_ids == ref[k].token_ids, (name, k)
+        assert r.finish_reason == "length"
+        np.testing.assert_allclose(r.logprobs, ref[k].logprobs, atol=2e-4)
+        assert st["forwards"] == 1 + st["diffusion_forwards"] + st["verify_forwards"]
+        assert st["verify_forwards"] == len(st["accepted"])
+        assert st["tokens_per_forward"] == pytest.approx(n / st["forwards"])
+        assert max(st["step_tokens"]) <= B
+
+
+def test_orthrus_long_answer_equals_ar(models):
+  _, pert, mask_id = models
+  p = mixed_prompts(4, seed=5)[1][0]
+  ref = ar_greedy(pert, [(p, 400)])[0]
+  s, _ = spec_run("orthrus", pert, [p], 400, pages=160, block_size=B, mask_id=mask_id)
+  assert s.results[0].token_ids == ref.token_ids
+
+
+def test_pool_never_holds_diffusion_kv(models):
+  """After a diffusion step the pool holds exactly the committed tokens but the newest (the
+  next root); after a verify step, those plus the root and the verified chain (< B): O(B)."""
+  _, model, mask_id = models
+  for p, n in mixed_prompts(5, seed=2):
+    eng = engine_for(model)
+    s = make_scheduler("orthrus", eng, [p], max_new_tokens=n, block_size=B, mask_id=mask_id)
+    kinds = []
+
+    def check(plan, result, s=s, eng=eng, p=p):
+      kind, i, _ = plan.tag
+      req = s.reqs[i]
+      live = eng.pool.live_tokens
+      kinds.append(kind)
+      if kind == "draft":
+        assert plan.scratch and plan.spec.view == VIEW
+        assert live == len(p) + len(req.tokens) - 1
+      elif kind == "decode" and req.finish is None:
+        chain = np.size(plan.tokens) - 1
+        assert chain < B
+        n_root = len(p) + len(req.tokens) - 1 - req.accepted[-1]
+        assert live == n_root + chain
+    run(eng, s, observer=check)
+    assert s.results[0].token_ids == ar.generate(engine_for(model), [p], max_new_tokens=n)[0] \
+        .token_ids
+    assert kinds.count("draft") == s.stats[0]["diffusion_forwards"] > 0
+
+
+def test_oracle_training_diffusion_logits_equal_runtime_pass(models):
+  _, model, mask_id = models
+  p = mixed_prompts(3, seed=7)[0][0]
+  eng = engine_for(model)
+  s = make_scheduler("orthrus", eng, [p], max_new_tokens=40, block_size=B, mask_id=mask_id)
+  seen = []
+
+  def grab(plan, result):
+    if plan.tag[0] == "draft":
+      seen.append((int(plan.positions[0]), np.asarray(result.logits)))
+  run(eng, s, observer=grab)
+  seq = p + s.results[0].token_ids
+  starts = np.asarray([[st for st, _ in seen]], np.int32)
+  N = len(seq)
+  toks = jnp.asarray([seq], jnp.int32)
+  _, diff = dual_pass_logits(model, toks, jnp.arange(N)[None], jnp.ones((1, N), bool),
+                             jnp.asarray(starts), B, mask_id)
+  assert len(seen) > 3
+  for k, (_, rows) in enumerate(seen):
+    np.testing.assert_allclose(np.asarray(diff[0, k]), rows, atol=1e-5, rtol=0)
+
+
+def test_dual_pass_mask_rule():
+  valid = jnp.asarray([[True] * 6 + [False] * 2])
+  ar_m, dm = dual_pass_mask(valid, jnp.asarray([[2, 5]]), 3)
+  ar_m, dm = np.asarray(ar_m[0]), np.asarray(dm[0])
+  assert ar_m.shape == (8, 14) and not ar_m[:, 8:].any() and ar_m[3, :4].all() and not ar_m[3, 4]
+  assert not ar_m[6].any()                          # padding query sees nothing
+  # block 0 (start 2): AR keys 0, 1; its own block slots 8..10 (bidirectional)
+  assert dm[0, :8].tolist() == [True, True] + [False] * 6
+  assert dm[2, 8:].tolist() == [True] * 3 + [False] * 3
+  # block 1 (start 5): AR keys 0..4; slots 11..13
+  assert dm[4, :8].tolist() == [True] * 5 + [False] * 3
+  assert dm[4, 11:].all() and not dm[4, 8:11].any()
+
+
+def _no_residual(parents, tokens, target_logits, params, rng=None, draft_probs=None):
+  """A wrong chain rule: accept d_i with min(1, p/q), but on the first rejection sample the
+  correction from p itself (not the residual)."""
+  p = verify_mod.target_probs(target_logits, params)
+  q = np.asarray(draft_probs)
+  path, node = [], 0
+  for c in range(1, len(tokens)):
+    x = int(tokens[c])
+    if rng.random() * q[c, x] >= p[node, x]:
+      return verify_mod._result(path, np.asarray(tokens), verify_mod._sample(p[node], rng))
+    path.append(c)
+    node = c
+  return verify_mod._result(path, np.asarray(tokens), verify_mod._sample(p[node], rng))
+
+
+@pytest.mark.parametrize("rule", ["exact", "no_residual"])
+def test_orthrus_sampling_first_three_tokens_match_ar(rule, monkeypatch):
+  V = 6
+  m, mask_id = add_orthrus(tiny_model(vocab_size=V, seed=1))
+  m = _perturbed(m, scale=1.0, seed=4)
+  prompt = [1, 2, 3, 4, 5, 0] * 3
+  params = SamplingParams(temperature=1.0, seed=3)
+  if rule == "no_residual":   # on a rejection, resample from p instead of norm(max(p - q, 0))
+    monkeypatch.setattr(spec_base, "verify_tree", _no_residual)
+  n = 1000
+  s, _ = spec_run("orthrus", m, [prompt] * n, 3, sampling=params, pages=16, block_size=4,
+                  mask_id=mask_id)
+  Vm = m.cfg.vocab_size
+  counts = np.zeros((Vm, Vm, Vm))
+  for r in s.results:
+    counts[tuple(r.token_ids)] += 1
+  assert sum(sum(st["accepted"]) for st in s.stats) > 0.2 * n
+  pv = _chi2(counts, _exact_ar(m, prompt, params, Vm))
+  if rule == "exact":
+    assert pv > 1e-3, pv
+  else:
+    assert pv < 1e-6, pv
+
+
+def test_orthrus_stops_at_the_same_eos_as_ar(models):
+  _, model, mask_id = models
+  prompt = mixed_prompts(4)[3][0]
+  free = ar.generate(engine_for(model), [prompt], max_new_tokens=40)[0].token_ids
+  stop = free[12]
+  ref = ar.generate(engine_for(model), [prompt], max_new_tokens=40, stop_ids=[stop])[0]
+  s, _ = spec_run("orthrus", model, [prompt], 40, stop_ids=[stop], block_size=B, mask_id=mask_id)
+  assert s.results[0].finish_reason == ref.finish_reason == "stop"
+  assert s.results[0].token_ids == ref.token_ids == free[:free.index(stop)]
+
+
+def test_view_adapter_round_trip_and_errors(tmp_path):
+  from selforch_jax import config_lib
+  mc = config_lib.model_defaults()
+  mc.preset, mc.weights = "tiny_llama", "random"
+  _, base, tok = config_lib.load_model(mc)
+  m, mask_id = add_orthrus(base, tok)
+  add_view_delta(m, 4, seed=2)
+  b = m.layers.o_proj_diffusion_delta_b
+  b[...] = 0.05 * jax.random.normal(jax.random.PRNGKey(0), b.shape, b.dtype)
+  apply_view_delta(m)
+  export_view_adapter(m, tok, str(tmp_path), mc.to_dict(), block_size=B)
+  m2, _ = load_adapter(str(tmp_path))
+  assert m2.cfg.attn_views == (VIEW,) and m2.cfg.vocab_size == mask_id + 1
+  assert not hasattr(m2.layers, "o_proj_diffusion_delta_a")
+  for n in ("q_proj", "o_proj", "embed"):
+    a = getattr(m.layers, f"{n}_{VIEW}", None) if n != "embed" else m.embed
+    b2 = getattr(m2.layers, f"{n}_{VIEW}", None) if n != "embed" else m2.embed
+    np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b2[...]))
+  assert not np.allclose(np.asarray(m2.layers.o_proj_diffusion[...]),
+                         np.asarray(m2.layers.o_proj[...]))
+  with pytest.raises(ValueError, match="diffusion"):
+    make_scheduler("orthrus", engine_for(tiny_model()), [[1, 2]], max_new_tokens=4)
+  with pytest.raises(ValueError, match="block_size"):
+    make_scheduler("orthrus", engine_for(m2), [[1, 2]], max_new_tokens=4, block_size=1)
+  from selforch_jax import api
+  with pytest.raises(api.ApiError, match="Orthrus adapter"):
+    api.resolve_adapter("orthrus", "", "tiny_llama")
