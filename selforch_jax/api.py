@@ -24,8 +24,9 @@ from typing import Any, Callable, Sequence
 __all__ = ["Answer", "RUNTIMES", "TAGGED_RUNTIMES", "DEFAULT_ADAPTERS", "generate",
            "decode_ids", "load", "check_adapter", "ApiError"]
 
-RUNTIMES = ("ar", "pasta", "tip", "sot", "apar", "streaming_llm", "h2o", "ptd", "pld", "lookahead")
-SPECULATIVE_RUNTIMES = ("ptd", "pld", "lookahead")  # lossless draft + verify on the engine
+RUNTIMES = ("ar", "pasta", "tip", "sot", "apar", "streaming_llm", "h2o", "ptd", "pld", "lookahead",
+            "orthrus")
+SPECULATIVE_RUNTIMES = ("ptd", "pld", "lookahead", "orthrus")  # lossless draft + verify
 TAGGED_RUNTIMES = ("pasta", "tip")          # need a model with the orchestration tags
 DEFAULT_ADAPTERS = {("pasta", "smollm2_135m"): "adapters/pasta_smollm2_135m"}
 DEFAULT_KV_BUDGET = 256                     # streaming_llm / h2o live tokens per request
@@ -73,7 +74,8 @@ def check_adapter(adapter: str, preset: str | None = None, runtime: str | None =
 
   Raises:
     ApiError: no such directory, not an adapter directory, made for another model preset than
-      ``preset``, or without the orchestration tags for a tagged ``runtime``.
+      ``preset``, without the orchestration tags for a tagged ``runtime``, or not an Orthrus
+      adapter for ``runtime="orthrus"``.
   """
   from selforch_jax.adapter import CONFIG_FILE
   if not os.path.isdir(adapter):
@@ -84,7 +86,8 @@ def check_adapter(adapter: str, preset: str | None = None, runtime: str | None =
                    "with python -m selforch_jax.export --workdir=RUN --out=DIR --adapter)")
   try:
     with open(path, encoding="utf-8") as f:
-      mc = json.load(f)["model"]
+      meta = json.load(f)
+    mc, kind = meta["model"], meta.get("kind", "lora")
   except (OSError, ValueError, KeyError) as e:
     raise ApiError(f"adapter {adapter!r}: unreadable {CONFIG_FILE} ({e})") from None
   if preset is not None and mc.get("preset") != preset:
@@ -92,6 +95,9 @@ def check_adapter(adapter: str, preset: str | None = None, runtime: str | None =
   if runtime in TAGGED_RUNTIMES and not mc.get("tags", False):
     raise ApiError(f"adapter {adapter!r} was trained without the orchestration tags: runtime "
                    f"{runtime!r} needs them")
+  if runtime == "orthrus" and kind != "orthrus":
+    raise ApiError(f"adapter {adapter!r} is not an Orthrus adapter (no diffusion view): runtime "
+                   "'orthrus' needs one")
   if runtime == "tip" and mc.get("tags", False) and int(mc.get("num_registers", 0)) < 1:
     raise ApiError(f"adapter {adapter!r} has no thought registers: runtime 'tip' needs them")
   return mc
@@ -113,6 +119,9 @@ def resolve_adapter(runtime: str, adapter: str | None, preset: str) -> str:
   default = DEFAULT_ADAPTERS.get((runtime, preset), "")
   if default and os.path.isfile(os.path.join(default, "adapter_config.json")):
     return default
+  if runtime == "orthrus":
+    raise ApiError("runtime 'orthrus' needs an Orthrus adapter (the trained diffusion view): pass "
+                   "--config.adapter=DIR / adapter=DIR (e.g. adapters/orthrus_smollm2_135m)")
   if runtime in TAGGED_RUNTIMES:
     raise ApiError(f"runtime {runtime!r} needs a model with the orchestration tags: pass an "
                    f"adapter (--config.adapter=DIR / adapter=DIR) trained for {runtime}; "
@@ -229,7 +238,7 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
       PASTA run their own batches inside one job).
     options: the runtime's own options (PASTA: cap, constrain_tags, max_threads,
       max_topic_tokens; SoT: skeleton_tokens, point_tokens, max_points; APAR: child_tokens,
-      max_forks; streaming_llm / h2o: budget, n_sink, recent_ratio).
+      max_forks; streaming_llm / h2o: budget, n_sink, recent_ratio; orthrus: block_size).
     on_token: ``callback(prompt index, token id)`` as tokens are sampled (AR-like runtimes).
     on_answer: ``callback(prompt index, Answer)`` as each job finishes.
     trace: ``""`` (off); a path ending in ``.html`` / ``.png`` / ``.json``: every engine step
@@ -300,6 +309,11 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
     elif runtime == "apar":
       kw["tokenizer"] = tokenizer
       kw.update({k: options[k] for k in ("child_tokens", "max_forks") if k in options})
+    elif runtime == "orthrus":   # the adapter's <|mask|> (None: the model's last row)
+      from selforch_jax.models.orthrus import MASK_TOKEN
+      kw["mask_id"] = tokenizer.token_to_id(MASK_TOKEN)
+      if "block_size" in options:
+        kw["block_size"] = int(options["block_size"])
     sched = make_scheduler(runtime, engine, [prompts[i] for i in rows], **kw)
     if recorder is not None:
       recorder.attach(sched)
