@@ -49,6 +49,7 @@ HELP = {
     "sot.max_points": "SoT: most points expanded",
     "apar.child_tokens": "APAR: budget of one forked item",
     "apar.max_forks": "APAR: most forks per answer",
+    "orthrus.block_size": "orthrus: diffusion block B (1 verified root + B-1 drafts per verify)",
     "pasta.adapter": "demo part: PASTA adapter decoding AlpacaEval prompts after the main run ('' = off)",
     "pasta.alpaca_eval": "demo part: AlpacaEval prompts",
     "pasta.offset": "demo part: first AlpacaEval row",
@@ -79,6 +80,7 @@ def defaults() -> ml_collections.ConfigDict:
       sampling=dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0),
       sot=dict(skeleton_tokens=96, point_tokens=64, max_points=10),
       apar=dict(child_tokens=64, max_forks=8),
+      orthrus=dict(block_size=8),   # CPU (configs/orthrus.py)
       # PASTA options (runtime=pasta and the demo's PASTA part); pasta.adapter "" = no part
       pasta=dict(adapter="", alpaca_eval=6, offset=0, max_new_tokens=256, cap=256,
                  constrain_tags=True, max_threads=DEFAULT_MAX_THREADS,
@@ -178,6 +180,8 @@ def options(config: ml_collections.ConfigDict) -> dict:
     return dict(config.apar.to_dict())
   if rt in ("streaming_llm", "h2o"):
     return {"budget": int(config.budget)}
+  if rt == "orthrus":
+    return {"block_size": int(config.orthrus.block_size)}
   return {}
 
 
