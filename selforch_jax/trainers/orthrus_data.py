@@ -88,12 +88,15 @@ def ensure_distill_data(path: str, model, tokenizer, model_section: dict,
       user = [m for m in ex["messages"] if m["role"] != "assistant"]
       items.append((name, i, user))
   stops = eos_ids(tokenizer)
+  encoded = [tokenizer.encode_chat(u, add_generation_prompt=True) for _, _, u in items]
+  # one engine (one pool size: every job reuses the compiled steps) for the longest prompt
+  eng = make_engine(model, [max(len(p) for p in encoded)] * min(batch_size, len(items)),
+                    max_new_tokens)
   rows = []
   for b in range(0, len(items), batch_size):
     chunk = items[b:b + batch_size]
-    prompts = [tokenizer.encode_chat(u, add_generation_prompt=True) for _, _, u in chunk]
-    eng = make_engine(model, [len(p) for p in prompts], max_new_tokens)
-    res = ar.generate(eng, prompts, max_new_tokens=max_new_tokens, stop_ids=stops)
+    res = ar.generate(eng, encoded[b:b + batch_size], max_new_tokens=max_new_tokens,
+                      stop_ids=stops)
     for (name, i, user), r in zip(chunk, res):
       text = tokenizer.decode(list(r.token_ids), skip_special_tokens=True)
       rows.append({"messages": user + [{"role": "assistant", "content": text}], "source": name,

@@ -114,7 +114,7 @@ class OrthrusScheduler(SpecScheduler):
     req.forwards += 1
     req.extra.setdefault("stats", dict(diffusion_forwards=0, verify_forwards=0))
     req.extra["stats"]["diffusion_forwards"] += 1
-    rows = np.asarray(result.logits[:k])
+    rows = np.asarray(result.logits)[:k]   # host slice: no device gather compiled per k
     if self.sampling.greedy:
       req.extra["draft"] = (rows.argmax(-1).astype(np.int64).tolist(), None)
       return
