@@ -104,6 +104,11 @@ def main(argv=None):
   ap.add_argument("--calibrate_n", type=int, default=0,
                   help="GSM8K train prompts for choose_sizes (0: configs/ptd.py sizes)")
   ap.add_argument("--page_size", type=int, default=16)
+  ap.add_argument("--orthrus_adapter", default="",
+                  help="an Orthrus adapter: its model (base + diffusion view) runs every system, "
+                       "and 'orthrus' in --systems decodes with it")
+  ap.add_argument("--orthrus_block", type=int, default=0, help="orthrus block size (0: the "
+                  "adapter's)")
   ap.add_argument("--out", default="out/speculative.json")
   ap.add_argument("--plot", default="", help="PNG path (default: --out with .png)")
   a = ap.parse_args(argv)
@@ -120,7 +125,20 @@ def main(argv=None):
   tok = HFTokenizer.from_gguf(path)
   stop_ids = list(tok.stop_ids)
   systems = a.systems.split(",")
-  opts = {s: cfg.options(s, a.scale) for s in systems}
+  specs = ()
+  if a.orthrus_adapter:   # AR and the others decode with the same model (base view)
+    from selforch_jax.adapter import load_adapter
+    from selforch_jax.models.orthrus import VIEW, mask_token_id
+    from selforch_jax.runtime.step import ForwardSpec
+    model, tok = load_adapter(a.orthrus_adapter)
+    with open(os.path.join(a.orthrus_adapter, "adapter_config.json")) as f:
+      block = a.orthrus_block or int(json.load(f)["block_size"])
+    orthrus_opts = dict(block_size=block, mask_id=mask_token_id(model, tok))
+    specs = (ForwardSpec(view=VIEW),)
+  elif "orthrus" in systems:
+    ap.error("--systems with orthrus needs --orthrus_adapter=DIR")
+  opts = {s: (dict(orthrus_opts) if s == "orthrus" else cfg.options(s, a.scale))
+          for s in systems}
   enc = lambda text: tok.encode_chat([{"role": "user", "content": text}])  # noqa: E731
   sets = {s: [enc(t) for t in load_prompts(s, a.n)] for s in a.sets.split(",")}
   max_prompt = max(len(p) for ps in sets.values() for p in ps)
@@ -130,6 +148,8 @@ def main(argv=None):
   # every step bucket (trees, prefills) at every key window: no compile inside a timed run
   # (relabel's page moves widen the key window as an answer grows)
   engine.warm_up(sorted({1, 2, 4, 8, 16, 32, 64} | {len(p) for ps in sets.values() for p in ps}))
+  if specs:   # the diffusion view's block step (its bucket only)
+    engine.warm_up([orthrus_opts["block_size"]], attn_mass=(), specs=specs)
   out = dict(config=dict(vars(a), model="SmolLM2-135M-Instruct (GGUF, float32)", greedy=True,
                          num_pages=pages, options=opts, stop_ids=stop_ids),
              machine=machine_info(), loadavg_start=loadavg(), sets={})
