@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from selforch_jax.lang.planned_diffusion import upstream_mask
+from selforch_jax.lang import TagVocab
+from selforch_jax.lang.planned_diffusion import planned_diffusion_layout, upstream_mask
 
 
 def _m(rows):
@@ -62,3 +63,18 @@ def test_unclosed_block_is_diffusion_to_end():
 def test_bad_variant():
   with pytest.raises(ValueError, match="variant"):
     upstream_mask(["a"], "v9")
+
+
+def test_our_format_layout_chunks_see_whole_plan_and_themselves():
+  tv = TagVocab.appended(100, 4, digit_ids=range(10, 20), space_ids=[1], eos_ids=[2])
+  p, cp, a, ca, s, mk, pd, x, y, z = 100, 101, 102, 103, 104, 105, 106, 50, 51, 59
+  # 0 x | 1-5 promise y 1 | 6-10 promise z 1 | 11-14 chunk 0 | 15-18 chunk 1 | 19 sync | 20 x 21 EOS
+  seq = [x, p, y, 1, 11, cp, p, z, 1, 11, cp, a, mk, pd, ca, a, mk, mk, ca, s, x, 2]
+  m = planned_diffusion_layout(seq, tv).token_mask()
+  want = np.tril(np.ones((22, 22), bool))
+  want[11:15, :15] = True                      # chunk 0: prefix + whole plan + itself, bidir
+  want[15:19, :11] = True                      # chunk 1: prefix + whole plan ...
+  want[15:19, 11:15] = False                   # ... not its sibling
+  want[15:19, 15:19] = True                    # ... and itself, bidir
+  want[0:11, 11:] = False
+  assert (m == want).all()

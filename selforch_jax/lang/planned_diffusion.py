@@ -7,9 +7,33 @@ strings in our tag names (upstream ``<promise>-<topic>`` / ``</topic>`` are our 
 
 import numpy as np
 
+from selforch_jax.lang.mask import build_layout
 from selforch_jax.lang.tags import ASYNC_CLOSE, ASYNC_OPEN, SYNC
 
-__all__ = ["upstream_mask"]
+__all__ = ["upstream_mask", "planned_diffusion_layout"]
+
+
+def planned_diffusion_layout(token_ids, tag_vocab, **kwargs):
+  """The Planned Diffusion training = decoding layout of our tag format, from the one mask builder.
+
+  A chunk sees the prefix, the whole plan of its round and itself (bidirectionally); nothing
+  outside a chunk sees it until ``<sync/>``; after ``<sync/>`` every completed chunk is visible.
+  This is :func:`~selforch_jax.lang.mask.build_layout` with ``async_sees_full_plan=True`` and
+  ``chunk_bidirectional=True``.
+
+  Args:
+    token_ids: ``int[N]`` token ids.
+    tag_vocab: the vocabulary's :class:`~selforch_jax.lang.tags.TagVocab`.
+    **kwargs: other :func:`build_layout` options (doc_ids, eos_ids, cap, length_unit).
+
+  Returns:
+    :class:`~selforch_jax.lang.mask.Layout` (``token_mask()`` is the bool [N, N] mask).
+
+  Raises:
+    ValueError: as :func:`build_layout`.
+  """
+  return build_layout(token_ids, tag_vocab, async_sees_full_plan=True, chunk_bidirectional=True,
+                      **kwargs)
 
 
 def _blocks(tokens, variant):
