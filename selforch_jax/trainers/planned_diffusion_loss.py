@@ -1,0 +1,74 @@
+"""Planned Diffusion joint loss (issue 21; planned-diffusion/planned-diffusion, thesis ch. 3).
+
+AR cross-entropy on plan / control / continuation tokens plus (1/t)-weighted masked-diffusion
+cross-entropy on chunk tokens replaced by ``<|mask|>``, with t ~ U(eps, 1) per sequence. Prompt
+tokens carry no loss (the caller leaves them out of both masks).
+
+Normalisation: the weighted sum is divided by the number of loss tokens in the batch (AR targets
+plus chunk tokens, masked or not), i.e. a per-token mean of the ELBO-style terms. Upstream also
+divides the AR terms by t; that is ``ar_over_t=True`` here (default False = the paper's formula).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from selforch_jax.trainers.loss import token_cross_entropy
+
+__all__ = ["noise_chunks", "joint_loss"]
+
+
+def noise_chunks(key: jax.Array, token_ids: jax.Array, chunk_mask: jax.Array, mask_id: int,
+                 eps: float = 1e-3) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Forward masking process on chunk tokens.
+
+  Args:
+    key: PRNG key.
+    token_ids: int32 [B, N] clean tokens.
+    chunk_mask: bool [B, N], the chunk content positions that may be masked.
+    mask_id: the ``<|mask|>`` token id.
+    eps: lower end of t's range, 0 < eps < 1.
+
+  Returns:
+    (noisy int32 [B, N], masked bool [B, N] (a subset of chunk_mask), t float32 [B] in [eps, 1)).
+
+  Raises:
+    ValueError: eps outside (0, 1).
+  """
+  if not 0.0 < eps < 1.0:
+    raise ValueError(f"noise_chunks: eps must be in (0, 1), got {eps}")
+  kt, km = jax.random.split(key)
+  b = token_ids.shape[0]
+  t = jax.random.uniform(kt, (b,), jnp.float32, minval=eps, maxval=1.0)
+  masked = chunk_mask & (jax.random.uniform(km, token_ids.shape) < t[:, None])
+  return jnp.where(masked, mask_id, token_ids).astype(jnp.int32), masked, t
+
+
+def joint_loss(logits: jax.Array, targets: jax.Array, ar_mask: jax.Array, masked: jax.Array,
+               chunk_mask: jax.Array, t: jax.Array, ar_over_t: bool = False
+               ) -> tuple[jax.Array, dict]:
+  """Joint AR + masked-diffusion loss.
+
+  Args:
+    logits: [B, N, V] predictions already aligned to ``targets`` (caller shifts).
+    targets: int32 [B, N] clean tokens.
+    ar_mask: bool [B, N], AR loss positions (plan / control / continuation; not prompt).
+    masked: bool [B, N], chunk positions that were replaced by ``<|mask|>``.
+    chunk_mask: bool [B, N], all chunk positions (the diffusion term's normaliser share).
+    t: float32 [B] noise levels.
+    ar_over_t: also divide AR terms by t (upstream's code), default False (the paper).
+
+  Returns:
+    (scalar float32 loss, metrics {"ar_ce", "diff_ce", "tokens"}).
+  """
+  ce = token_cross_entropy(logits, targets)
+  ar = ar_mask.astype(jnp.float32)
+  dm = masked.astype(jnp.float32)
+  inv_t = 1.0 / t[:, None]
+  ar_w = ar * (inv_t if ar_over_t else 1.0)
+  tokens = jnp.maximum(jnp.sum(ar) + jnp.sum(chunk_mask.astype(jnp.float32)), 1.0)
+  loss = (jnp.sum(ce * ar_w) + jnp.sum(ce * dm * inv_t)) / tokens
+  metrics = {"ar_ce": jnp.sum(ce * ar) / jnp.maximum(jnp.sum(ar), 1.0),
+             "diff_ce": jnp.sum(ce * dm) / jnp.maximum(jnp.sum(dm), 1.0), "tokens": tokens}
+  return loss, metrics
