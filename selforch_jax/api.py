@@ -30,6 +30,18 @@ SPECULATIVE_RUNTIMES = ("ptd", "pld", "lookahead", "orthrus")  # lossless draft 
 TAGGED_RUNTIMES = ("pasta", "tip")          # need a model with the orchestration tags
 DEFAULT_ADAPTERS = {("pasta", "smollm2_135m"): "adapters/pasta_smollm2_135m"}
 DEFAULT_KV_BUDGET = 256                     # streaming_llm / h2o live tokens per request
+# max_new_tokens when a caller gives none: a PASTA plan alone can take 128 tokens, a TIP answer
+# carries its register tags
+DEFAULT_MAX_NEW_TOKENS = {"pasta": 512, "tip": 512}
+DEFAULT_MAX_NEW_TOKENS_OTHER = 128
+
+
+def default_max_new_tokens(runtime: str, max_new_tokens: int | None = None) -> int:
+  """``max_new_tokens`` if given (> 0), else the runtime's default: 512 for pasta / tip (tags
+  included), 128 for the others."""
+  if max_new_tokens:
+    return int(max_new_tokens)
+  return DEFAULT_MAX_NEW_TOKENS.get(runtime, DEFAULT_MAX_NEW_TOKENS_OTHER)
 
 
 class ApiError(ValueError):
@@ -43,7 +55,8 @@ class Answer:
   Attributes:
     text: the final text (PASTA: logical order, tags dropped; cut before a stop string).
     token_ids: the generated ids (PASTA / TIP: canonical order, tags included; SoT: the
-      final text re-encoded), without the stop token.
+      final text re-encoded), without the stop token. A stop string ends AR-like decoding,
+      so their ids end there; PASTA / TIP / SoT / APAR decode whole and only ``text`` is cut.
     finish_reason: ``"stop"``, ``"length"`` or ``"degraded"``
       (:mod:`selforch_jax.runtime.generation`).
     forwards: engine steps that ran a token of this answer (prefill included).
@@ -52,7 +65,8 @@ class Answer:
     prompt_tokens: tokens of the prompt.
     logprobs: natural-log probability of each of ``token_ids`` (empty for SoT / APAR).
     figures: the runtime's own figures (PASTA: threads, rounds, theoretical speedup, ...;
-      KV policies: live KV tokens; SoT: points; APAR: forks).
+      PASTA / TIP: ``raw``, the tagged output; KV policies: live KV tokens; SoT: points;
+      APAR: forks).
   """
 
   text: str
@@ -160,17 +174,13 @@ def load_config_file(path: str, arg: str | None = None):
   """``get_config(arg)`` of a config file (``"configs/X.py"`` or ``"configs/X.py:arg"``).
 
   Raises:
-    ApiError: no such file.
+    ApiError: no such file, or no ``get_config`` in it.
   """
-  import importlib.util
-  if arg is None and ":" in path and not os.path.exists(path):
-    path, arg = path.split(":", 1)
-  if not os.path.isfile(path):
-    raise ApiError(f"config file {path!r} not found")
-  spec = importlib.util.spec_from_file_location("_selforch_config", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(arg) if arg is not None else mod.get_config()
+  from selforch_jax import config_lib
+  try:
+    return config_lib.load_config_file(path, arg)
+  except config_lib.ConfigError as e:
+    raise ApiError(str(e)) from None
 
 
 def _tip_registers(tv) -> int:
@@ -215,7 +225,7 @@ def _finish(result, notes: Sequence[str]) -> str:
 
 
 def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: str = "ar",
-               max_new_tokens: int = 128, sampling=None, stop: Sequence[str] = (),
+               max_new_tokens: int | None = None, sampling=None, stop: Sequence[str] = (),
                tag_vocab=None, questions: Sequence[str] | None = None, page_size: int = 16,
                batch_size: int | None = None, options: dict | None = None,
                on_token: Callable[[int, int], None] | None = None,
@@ -228,7 +238,8 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
     model / tokenizer: the model and its tokenizer (``decode``, ``stop_ids``).
     prompts: B non-empty lists of int token ids (chat-formatted).
     runtime: one of :data:`RUNTIMES`.
-    max_new_tokens: tokens per answer (PASTA / TIP: tags included).
+    max_new_tokens: tokens per answer (PASTA / TIP: tags included); None or 0: the runtime's
+      default (:func:`default_max_new_tokens`).
     sampling: :class:`~selforch_jax.runtime.sampling.SamplingParams` (None: greedy).
     stop: stop strings (AR-like runtimes stop decoding at one; every runtime's text is cut
       before the first one, finish reason ``"stop"``).
@@ -268,6 +279,7 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
   prompts = [[int(t) for t in p] for p in prompts]
   if not prompts or any(not p for p in prompts):
     raise ValueError("decode_ids needs at least one prompt, none empty")
+  max_new_tokens = default_max_new_tokens(runtime, max_new_tokens)
   check_context([len(p) for p in prompts], max_new_tokens, model.cfg.max_position_embeddings)
   sampling = sampling or SamplingParams()
   options = dict(options or {})
@@ -366,7 +378,7 @@ def _answer(runtime, sched, j, tok, tv, decode, wall) -> Answer:
     figs = dict(threads=st.threads, rounds=st.rounds, max_parallel=st.max_parallel,
                 theoretical_speedup=round(st.theoretical_speedup, 4),
                 content_tokens=st.content_tokens, well_formed=st.well_formed,
-                degraded=list(st.degraded))
+                degraded=list(st.degraded), raw=tokenizer_raw(tok, ids))
     return Answer(sched.text(j, tok), ids, _finish(res, st.degraded), st.forwards,
                   st.tokens_per_forward, st.wall_s if st.wall_s else wall,
                   logprobs=list(res.logprobs), figures=figs)
@@ -403,14 +415,19 @@ def _answer(runtime, sched, j, tok, tv, decode, wall) -> Answer:
   if runtime == "tip":
     from selforch_jax.lang import assemble
     notes = tuple(sched.layout(j).notes)
-    figs["degraded"] = list(notes)
+    figs.update(degraded=list(notes), raw=tokenizer_raw(tok, ids))
     text_ids = assemble(ids, tv)
   return Answer(decode(text_ids), ids, _finish(res, notes), forwards,
                 tokens / max(forwards, 1), wall, logprobs=list(res.logprobs), figures=figs)
 
 
+def tokenizer_raw(tok, ids: Sequence[int]) -> str:
+  """The tagged text of ``ids`` (tags written out): what PASTA / TIP rows carry as ``raw``."""
+  return tok.decode(list(ids))
+
+
 def generate(prompts: str | Sequence[str], runtime: str = "ar", adapter: str | None = None, *,
-             max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+             max_new_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, stop: Sequence[str] = (),
              config: Any = "configs/smollm2_135m.py", model: Any = None,
              tokenizer: Any = None, system_prompt: str = "", options: dict | None = None,
@@ -423,9 +440,11 @@ def generate(prompts: str | Sequence[str], runtime: str = "ar", adapter: str | N
     runtime: one of :data:`RUNTIMES`.
     adapter: an adapter directory (PASTA: default ``adapters/pasta_smollm2_135m`` when present;
       TIP needs one).
-    max_new_tokens, temperature, top_k, top_p, min_p, seed: decoding budget and sampling
+    max_new_tokens, temperature, top_k, top_p, min_p, seed: decoding budget (None: the
+      runtime's default, 512 for pasta / tip, 128 otherwise) and sampling
       (:class:`~selforch_jax.runtime.sampling.SamplingParams`; temperature 0 = greedy).
-    stop: stop strings.
+    stop: stop strings (PASTA: the logical-order text is cut at the first one, so a stop
+      string that can occur inside the answer, such as a blank line, cuts its threads off).
     config: a config file or ConfigDict naming the model (ignored when ``model`` is given).
     model / tokenizer: an already loaded model and its tokenizer (then ``adapter`` and
       ``config`` are not read).

@@ -68,6 +68,43 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
   return out
 
 
+def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """``get_config(arg)`` of a config file (``"configs/X.py"`` or ``"configs/X.py:arg"``).
+
+  Raises:
+    ConfigError: no such file, or the file has no ``get_config``.
+  """
+  import importlib.util
+  if arg is None and ":" in path and not os.path.exists(path):
+    path, arg = path.split(":", 1)
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} not found")
+  spec = importlib.util.spec_from_file_location("_selforch_config", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  if not hasattr(mod, "get_config"):
+    raise ConfigError(f"config file {path!r} defines no get_config()")
+  return mod.get_config(arg) if arg is not None else mod.get_config()
+
+
+def key_lines(config: ml_collections.ConfigDict, docs: dict[str, str] | None = None) -> str:
+  """Every leaf key of ``config`` as ``  --config.a.b=<value>  <docs["a.b"]>``, one per line
+  (what each entry point's ``--help`` prints)."""
+  docs = docs or {}
+  lines = []
+
+  def walk(d, prefix):
+    for k in d.keys():
+      v, name = d[k], prefix + k
+      if isinstance(v, ml_collections.ConfigDict):
+        walk(v, name + ".")
+      else:
+        lines.append(f"  --config.{name}={v!r}  {docs.get(name, '')}".rstrip())
+
+  walk(config, "")
+  return "\n".join(lines)
+
+
 def model_defaults() -> ml_collections.ConfigDict:
   """The ``model`` section: which architecture and which weights.
 

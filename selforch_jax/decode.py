@@ -7,14 +7,14 @@ Examples::
       --workdir=out/run1 --config.sampling.temperature=0.7 --config.sampling.top_p=0.9
   python -m selforch_jax.decode --config=configs/demo.py --workdir=out/demo
 
-Every runtime: ``--config.runtime=NAME`` (ar, pasta, tip, sot, apar, streaming_llm, h2o),
-``--config.adapter=DIR`` for a fine-tuned adapter (pasta defaults to
+Every runtime: ``--config.runtime=NAME`` (``--help`` lists the names: ar, pasta, tip, sot, apar,
+streaming_llm, h2o, ptd, pld, lookahead and the later systems), ``--config.adapter=DIR`` for a fine-tuned adapter (pasta defaults to
 ``adapters/pasta_smollm2_135m``; tip needs one). With a single ``--prompt`` the answer is streamed
 to the terminal as it is decoded, then its figures; ``--prompts_file`` decodes many.
 
 Writes ``<workdir>/answers.jsonl`` (one row per prompt: id, prompt, ``text``, ``token_ids``,
 log-probs, ``finish_reason``, ``forwards``, ``tokens_per_forward``, ``wall_s`` and the runtime's
-own figures) and ``<workdir>/summary.json``. With ``config.pasta.adapter`` set (as in
+own figures; PASTA / TIP rows carry ``raw``, the tagged output) and ``<workdir>/summary.json``. With ``config.pasta.adapter`` set (as in
 ``configs/demo.py``) also ``<workdir>/pasta.jsonl``: the adapter's model decoding AlpacaEval
 prompts with PASTA and with AR (:func:`selforch_jax.decoding.run.run_pasta_part`), and a
 ``pasta`` block in the summary.
@@ -37,8 +37,9 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from selforch_jax import config_lib
-from selforch_jax.decoding.run import run
+from selforch_jax import cli, config_lib
+from selforch_jax.cli import fail
+from selforch_jax.decoding.run import help_text, run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "decode config file", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "out/decode", "where answers.jsonl and summary.json go")
@@ -49,48 +50,8 @@ SHOW_ANSWERS = 3      # answers printed at the end of a run of many prompts
 SHOW_CHARS = 2000     # longer printed texts are cut, saying so
 
 
-def fail(msg: str) -> None:
-  """Print one line naming the problem and exit with status 2."""
-  print("error: " + " ".join(str(msg).split()), file=sys.stderr)
-  sys.exit(2)
-
-
-def _config_arg(argv: list[str]) -> str | None:
-  for i, a in enumerate(argv):
-    if a.startswith("--config="):
-      return a.split("=", 1)[1]
-    if a == "--config" and i + 1 < len(argv):
-      return argv[i + 1]
-  return None
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """``--help``: usage and every config key (exit 0); a missing config file: one line, exit 2;
-  then :func:`selforch_jax.config_lib.parse_flags`."""
-  from selforch_jax.decoding.run import help_text
-  spec = _config_arg(argv[1:])
-  path = spec.split(":", 1)[0] if spec else None
-  if any(a in ("--help", "-h", "--helpshort", "-?") for a in argv[1:]):
-    config = None
-    if path and os.path.isfile(path):
-      try:
-        from selforch_jax.api import load_config_file
-        config = load_config_file(spec)
-      except Exception:  # noqa: BLE001 - help shows the defaults then
-        config = None
-    print(__doc__.strip().split("\n\n")[0])
-    print("\nflags:\n  --config=FILE[:arg]  decode config file (e.g. configs/smollm2_135m.py)\n"
-          "  --workdir=DIR  where answers.jsonl and summary.json go (default out/decode)\n"
-          "  --prompt=TEXT  a single user prompt (streamed)\n"
-          "  --prompts_file=FILE  JSONL rows with messages/prompt/instruction/question\n"
-          f"\nconfig keys ({'values of ' + spec if config is not None else 'defaults'}):")
-    print(help_text(config))
-    sys.exit(0)
-  if spec is None:
-    fail("--config is required, e.g. --config=configs/smollm2_135m.py")
-  if not os.path.isfile(path):
-    fail(f"config file {path!r} not found")
-  return config_lib.parse_flags(argv)
+parse_flags = cli.flags_parser(__doc__, ["config", "workdir", "prompt", "prompts_file"],
+                               keys_help=help_text)
 
 
 def clip(text: str, n: int, where: str) -> str:

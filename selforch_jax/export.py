@@ -1,6 +1,9 @@
-r"""Export a training run to a Hugging Face directory (safetensors + tokenizer), or its adapter.
+r"""Export a training run, an adapter or a model to a Hugging Face directory (safetensors +
+tokenizer), or a run's adapter.
 
   python -m selforch_jax.export --workdir=out/sft --out=out/sft_hf [--step=N | --round=R] [--dtype=float32]
+  python -m selforch_jax.export --model=adapters/pasta_smollm2_135m --out=out/pasta_hf
+  python -m selforch_jax.export --model=smollm2_gguf --out=out/smollm2_hf
   python -m selforch_jax.export --workdir=out/pasta_sft --out=out/pasta_adapter --adapter
   python -m selforch_jax.export --workdir=out/pasta_po_l4 --round=4 --out=out/l4_r4 --adapter
 
@@ -20,9 +23,12 @@ import sys
 
 from absl import app, flags, logging
 
+from selforch_jax import cli
 from selforch_jax.trainers.restore import export_run
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run directory (holds checkpoints/)")
+_MODEL = flags.DEFINE_string("model", None, "instead of --workdir: an adapter directory, "
+                             "'smollm2_gguf', a .gguf file or an HF directory")
 _OUT = flags.DEFINE_string("out", None, "output directory for the HF checkpoint")
 _STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
 _ROUND = flags.DEFINE_integer("round", None, "round of a policy-optimization run (BoNBoN / GRPO; "
@@ -35,8 +41,8 @@ _ADAPTER = flags.DEFINE_bool("adapter", False, "write only the LoRA adapter + ne
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not _WORKDIR.value or not _OUT.value:
-    raise app.UsageError("--workdir and --out are required")
+  if bool(_WORKDIR.value) == bool(_MODEL.value) or not _OUT.value:
+    cli.fail("give --out and one of --workdir (a training run) or --model (an adapter / model)")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   if _STEP.value is not None and _ROUND.value is not None:
@@ -47,7 +53,12 @@ def main(argv):
     if _ROUND.value is not None:
       from selforch_jax.trainers.restore import round_step
       step = round_step(_WORKDIR.value, _ROUND.value)
-    if _ADAPTER.value:
+    if _MODEL.value:
+      if _ADAPTER.value or step is not None:
+        raise ValueError("--adapter, --step and --round apply to --workdir runs, not --model")
+      from selforch_jax.trainers.restore import export_model
+      out = export_model(_MODEL.value, _OUT.value, _DTYPE.value)
+    elif _ADAPTER.value:
       if flags.FLAGS["dtype"].present:
         raise ValueError("--dtype does not apply to --adapter (adapter tensors are float32)")
       from selforch_jax.adapter import export_adapter
@@ -61,4 +72,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser(
+      __doc__, ["workdir", "model", "out", "step", "round", "dtype", "adapter"], config=False))

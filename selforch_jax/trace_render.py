@@ -127,9 +127,7 @@ def to_html(trace: Any) -> str:
   out = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>",
          html.escape(rec.title or "decode trace"), "</title><style>", CSS, "</style></head><body>",
          f"<h1>{html.escape(rec.title or 'decode trace')}</h1>",
-         f"<div class='summary'>{c['steps']} steps, {c['tokens']} tokens, {c['forks']} forks, "
-         f"{c['joins']} joins, {c['evicted']} evicted, {c['rejected']} rejected, "
-         f"{c['rolled_back']} rolled back, {c['scratch_steps']} scratch steps</div>",
+         f"<div class='summary'>{html.escape(summary_line(c))}</div>",
          "<div class='legend'>groups: "]
   for g in rec.groups:
     out.append(f"<span class='sw' style='background:{colors[g]}'>{html.escape(g)}</span>")
@@ -229,12 +227,20 @@ def to_png(trace: Any, path: str) -> dict:
     fig.legend(handles=handles, loc="upper left", ncol=min(len(handles), 8), fontsize=7,
                frameon=False)
   c = rec.counts()
-  fig.text(0.99, 1.0 - 0.25 / (h / DPI), f"{rec.title}  {c['steps']} steps, {c['tokens']} tokens,"
-           f" {c['forks']} forks, {c['joins']} joins, {c['evicted']} evicted, "
-           f"{c['rejected']} rejected", ha="right", va="top", fontsize=8)
+  fig.text(0.99, 1.0 - 0.25 / (h / DPI), f"{rec.title}  {summary_line(c)}", ha="right",
+           va="top", fontsize=8)
   fig.savefig(path, dpi=DPI)
   plt.close(fig)
   return dict(rows=len(rec.steps), boxes=boxes, markers=marks, size=(h, w))
+
+
+def summary_line(c: dict) -> str:
+  """The one-line totals of :meth:`~selforch_jax.runtime.trace.TraceRecorder.counts` both
+  pictures print: steps, tokens, forks, joins and every token fate (evicted: dropped by a KV
+  policy; released: its owner freed, e.g. a TIP register; rolled back; rejected drafts)."""
+  return (f"{c['steps']} steps, {c['tokens']} tokens, {c['forks']} forks, {c['joins']} joins, "
+          f"{c['evicted']} evicted, {c['released']} released, {c['rolled_back']} rolled back, "
+          f"{c['rejected']} rejected, {c['scratch_steps']} scratch steps")
 
 
 def render(trace: Any, path: str) -> str:

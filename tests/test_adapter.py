@@ -233,3 +233,19 @@ def test_committed_adapters_are_under_10_mb_and_complete(adapter_dir):
   assert {k: list(v.shape) for k, v in tensors.items()} == {k: list(v) for k, v in
                                                             cfg["tensors"].items()}
   assert cfg["model"]["lora_rank"] == 8 and cfg["rows_from"] == 49152
+
+
+def test_export_model_from_an_adapter_equals_the_adapter(adapter, tmp_path):
+  """``export --model=ADAPTER_DIR``: the merged HF directory gives the adapter's logits and its
+  weights file is readable like the others (safetensors writes 0600)."""
+  from selforch_jax.checkpoints.safetensors_io import import_hf
+  from selforch_jax.trainers.restore import export_model
+  out = export_model(adapter, str(tmp_path / "hf"))
+  mode = os.stat(os.path.join(out, "model.safetensors")).st_mode & 0o777
+  assert mode == os.stat(os.path.join(out, "config.json")).st_mode & 0o777
+  model, tok = load_adapter(adapter)
+  _, hf_model = import_hf(out)
+  ids = tok.encode(TEXT)
+  np.testing.assert_allclose(_logits(hf_model, ids), _logits(model, ids), atol=1e-4)
+  with pytest.raises(FileNotFoundError, match="not an adapter directory"):
+    export_model(str(tmp_path / "nothing"), str(tmp_path / "x"))

@@ -5,6 +5,7 @@ figures, stop strings cutting the text, and the ``degraded`` finish of malformed
 import pytest
 
 from selforch_jax import api
+from selforch_jax.models.orthrus import add_orthrus
 from selforch_jax.runtime.generation import GenerationResult
 from tests.trace_fixtures import RUNTIMES, TV, forced_plan_prompt, tiny  # noqa: F401
 
@@ -14,9 +15,9 @@ FIGURES = {
     "ar": set(), "streaming_llm": {"mean_live_kv_tokens", "peak_live_kv_tokens",
                                    "peak_live_kv_bytes"},
     "h2o": {"mean_live_kv_tokens", "peak_live_kv_tokens", "peak_live_kv_bytes"},
-    "tip": {"mean_live_kv_tokens", "peak_live_kv_tokens", "peak_live_kv_bytes", "degraded"},
+    "tip": {"mean_live_kv_tokens", "peak_live_kv_tokens", "peak_live_kv_bytes", "degraded", "raw"},
     "pasta": {"threads", "rounds", "max_parallel", "theoretical_speedup", "content_tokens",
-              "well_formed", "degraded"},
+              "well_formed", "degraded", "raw"},
     "sot": {"points", "parsed", "tokens"}, "apar": {"forks", "max_parallel", "tokens"},
 }
 
@@ -133,15 +134,19 @@ def test_errors(tiny):
 
 @pytest.mark.parametrize("runtime", api.SPECULATIVE_RUNTIMES)
 def test_speculative_runtimes_through_the_api_equal_ar(tiny, runtime):
-  """PTD / PLD / Lookahead through decode_ids: the same tokens and text as AR greedy (lossless),
-  their own forward count and acceptance figures."""
+  """PTD / PLD / Lookahead / Orthrus through decode_ids: the same tokens and text as AR greedy
+  (lossless), their own forward count and acceptance figures. Orthrus runs the tiny model with an
+  (untrained) diffusion view added."""
   model, tok = tiny
+  if runtime == "orthrus":
+    model, _ = add_orthrus(model)
   prompts = [tok.encode("ab ab ab ab ab ab ab ab"), tok.encode("xyz xyz xyz xyz")]
   ar_rows = api.decode_ids(model, tok, prompts, runtime="ar", max_new_tokens=24)
   rows = api.decode_ids(model, tok, prompts, runtime=runtime, max_new_tokens=24)
   for a, b in zip(ar_rows, rows):
     assert b.token_ids == a.token_ids and b.text == a.text
     assert b.finish_reason == a.finish_reason
-    assert 1 <= b.forwards <= len(b.token_ids) + 1
+    per_step = 2 if runtime == "orthrus" else 1     # Orthrus: a diffusion and a verify pass
+    assert 1 <= b.forwards <= per_step * (len(b.token_ids) + 1)
     assert b.tokens_per_forward == pytest.approx(len(b.token_ids) / b.forwards)
     assert b.figures["mean_accepted"] >= 0.0

@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 
 from selforch_jax.runtime import verify as verify_mod
 from selforch_jax.runtime.mask import step_mask
-from selforch_jax.runtime.ngram import TrieCache
+from selforch_jax.runtime.ngram import TrieCache, graft_chain
 from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.runtime.scheduler import execute
 from selforch_jax.runtime.schedulers import ar, make_scheduler, spec_base
@@ -68,6 +68,33 @@ def test_ptd_long_answers_and_upstream_sizes(model):
   assert [r.token_ids for r in s.results] == [r.token_ids for r in ref]
   assert max(max(st["step_tokens"]) for st in s.stats) > 16
   assert sum(st["cache_fills"] for st in s.stats) > 0     # the draft tree reached max depth
+
+
+def test_graft_chain_by_hand():
+  # trie guess: root -> 5 -> 6, root -> 7; chain 5 8 9 shares its first node with the trie
+  parents, tokens, depth = np.array([-1, 0, 0, 1]), np.array([0, 5, 7, 6]), np.array([0, 1, 1, 2])
+  P, T, D = graft_chain(parents, tokens, depth, [5, 8, 9], 10)
+  assert P.tolist() == [-1, 0, 1, 2, 0, 1] and T.tolist() == [0, 5, 8, 9, 7, 6]
+  assert D.tolist() == [0, 1, 2, 3, 1, 2]
+  P, T, _ = graft_chain(parents, tokens, depth, [5, 8, 9], 4)   # the trie's last node is dropped
+  assert P.tolist() == [-1, 0, 1, 2, 0] and T.tolist() == [0, 5, 8, 9, 7]
+  P, T, _ = graft_chain(parents, tokens, depth, [], 3)            # no chain: the trie as it was
+  assert P.tolist() == parents.tolist() and T.tolist() == tokens.tolist()
+
+
+def test_lookup_chain_is_lossless_and_verified(model):
+  """The grafted prompt-lookup branch (lookup_ngram=3) changes what is guessed, never the output."""
+  cases = mixed_prompts(12, seed=5)
+  prompts = [p for p, _ in cases]
+  ref = ar_greedy(model, [(p, 64) for p in prompts])
+  acc = {}
+  for ng in (0, 3):
+    s, _ = spec_run("ptd", model, prompts, 64, **dict(PTD_CPU, lookup_ngram=ng))
+    assert [r.token_ids for r in s.results] == [r.token_ids for r in ref]
+    acc[ng] = sum(sum(st["accepted"]) for st in s.stats)
+  assert acc[3] != acc[0], acc       # the branch was really proposed (a different acceptance)
+  with pytest.raises(ValueError, match="lookup_ngram"):
+    spec_run("ptd", model, prompts[:1], 4, **dict(PTD_CPU, lookup_ngram=-1))
 
 
 def _hand_tree(tree):

@@ -107,7 +107,11 @@ def export_hf(model, cfg: ModelConfig, out_dir: str | os.PathLike, tokenizer: An
   tensors = hf_from_params(cfg, param_dict(model))
   tensors = {k: np.ascontiguousarray(np.asarray(v).astype(np_dtype, copy=False))
              for k, v in tensors.items()}
-  save_file(tensors, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+  weights = os.path.join(out_dir, WEIGHTS_NAME)
+  save_file(tensors, weights, metadata={"format": "pt"})
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(weights, 0o666 & ~umask)  # safetensors writes 0600; readable like the other files
   hf_cfg = cfg.to_hf_dict()
   hf_cfg["torch_dtype"] = dtype
   gen: dict[str, Any] = {"_from_model_config": True}

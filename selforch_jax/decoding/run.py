@@ -28,12 +28,14 @@ from selforch_jax import config_lib
 
 # one line per config key (``--help`` lists them with their defaults)
 HELP = {
-    "runtime": "decoding system: ar, pasta, tip, sot, apar, streaming_llm, h2o",
+    "runtime": "decoding system: ar, pasta, tip, sot, apar, streaming_llm, h2o, ptd, pld, "
+               "lookahead, orthrus",
     "adapter": "adapter directory to load (pasta: default adapters/pasta_smollm2_135m; tip needs one)",
     "inputs": "dataset prompts, e.g. 'alpaca_eval:20,gsm8k:10' (first N test rows of each)",
     "system_prompt": "optional system turn before every prompt",
     "chat": "apply the model's chat template",
-    "max_new_tokens": "tokens per answer (pasta / tip: tags included)",
+    "max_new_tokens": "tokens per answer (0 = the runtime's default: 512 for pasta / tip, tags "
+                      "included; 128 otherwise)",
     "batch_size": "prompts decoded together in one engine job",
     "page_size": "KV pool page size (tokens)",
     "stop": "stop strings separated by '|' (the text is cut before the first one)",
@@ -71,7 +73,7 @@ def defaults() -> ml_collections.ConfigDict:
       inputs="",             # e.g. "alpaca_eval:20,gsm8k:10"
       system_prompt="",      # optional system turn
       chat=True,             # apply the model's chat template
-      max_new_tokens=128,
+      max_new_tokens=0,      # 0: api.default_max_new_tokens(runtime)
       batch_size=8,
       page_size=16,
       stop="",
@@ -90,22 +92,11 @@ def defaults() -> ml_collections.ConfigDict:
 
 def help_text(config: ml_collections.ConfigDict | None = None) -> str:
   """Every config key with its value in ``config`` (default: :func:`defaults`) and one line."""
+  from selforch_jax import api
   c = config if config is not None else defaults()
-  lines = []
-
-  def walk(d, prefix):
-    for k in d.keys():
-      v = d[k]
-      name = prefix + k
-      if isinstance(v, ml_collections.ConfigDict):
-        walk(v, name + ".")
-      else:
-        doc = HELP.get(name) or ("model section: " + name[len("model."):]
-                                 if name.startswith("model.") else "")
-        lines.append(f"  --config.{name}={v!r}  {doc}".rstrip())
-
-  walk(c, "")
-  return "\n".join(lines)
+  docs = {f"model.{k}": f"model section: {k}" for k in c.model.keys()}
+  docs.update(HELP, runtime="decoding system: " + ", ".join(api.RUNTIMES))
+  return config_lib.key_lines(c, docs)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -116,8 +107,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.runtime not in api.RUNTIMES:
     raise config_lib.ConfigError(f"runtime={config.runtime!r} is unknown; valid: "
                                  f"{', '.join(api.RUNTIMES)}")
-  if config.max_new_tokens < 1:
-    raise config_lib.ConfigError("max_new_tokens must be >= 1")
+  if config.max_new_tokens < 0:
+    raise config_lib.ConfigError("max_new_tokens must be >= 1 (or 0: the runtime's default)")
   if config.batch_size < 1 or config.page_size < 1 or config.budget < 1:
     raise config_lib.ConfigError("batch_size, page_size and budget must be >= 1")
   from selforch_jax.trace_render import FORMATS
@@ -238,8 +229,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
     ids = (tok.encode_chat(msgs, add_generation_prompt=True) if config.chat
            else tok.encode("\n".join(m["content"] for m in msgs)))
     encoded.append(ids)
-  check_context([len(p) for p in encoded], config.max_new_tokens,
-                model.cfg.max_position_embeddings)
+  max_new = api.default_max_new_tokens(config.runtime, config.max_new_tokens)
+  check_context([len(p) for p in encoded], max_new, model.cfg.max_position_embeddings)
   os.makedirs(workdir, exist_ok=True)
   stop = tuple(s for s in config.stop.split("|") if s)
   streaming = stream is not None and len(items) == 1
@@ -269,7 +260,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
                       file=sys.stderr, disable=streaming):
       batch, ids = items[start:start + bs], encoded[start:start + bs]
       res = api.decode_ids(model, tok, ids, runtime=config.runtime,
-                           max_new_tokens=config.max_new_tokens, sampling=sampling, stop=stop,
+                           max_new_tokens=max_new, sampling=sampling, stop=stop,
                            tag_vocab=tv, questions=[it["messages"][-1]["content"] for it in batch],
                            page_size=config.page_size, options=opts,
                            on_token=on_token if streaming else None, trace=recorder)
@@ -279,7 +270,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
                "logprobs": [round(x, 5) for x in a.logprobs],
                "finish_reason": a.finish_reason, "forwards": a.forwards,
                "tokens_per_forward": round(a.tokens_per_forward, 4),
-               "wall_s": round(a.wall_s, 4), "prompt_tokens": len(p),
+               "wall_s": round(a.wall_s, 4), "batch": len(batch), "prompt_tokens": len(p),
                "reference": it.get("reference"), **a.figures}
         rows.append(row)
         f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -294,7 +285,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
   summary = {
       "prompts": len(rows),
       "runtime": config.runtime,
-      "adapter": config.adapter or None,
+      "adapter": api.resolve_adapter(config.runtime, config.adapter or None,
+                                     config.model.preset) or None,
+      "max_new_tokens": max_new,
       "config": config.to_dict(),
       "prompts_file": prompts_file or None,
       "wall_s": round(wall, 3),
@@ -324,17 +317,19 @@ def run(config: ml_collections.ConfigDict, workdir: str, prompt: str = "",
 
 
 def figures_line(row: dict) -> str:
-  """One line of a row's figures: finish reason, tokens, forwards, tokens/forward, wall, and
-  the runtime's own figures."""
+  """One line of a row's figures: finish reason, tokens, forwards, tokens/forward (the stop
+  token counts: it was decoded), wall (of the whole batch the row was decoded in), and the
+  runtime's own figures; ``degraded_tags`` counts tags that fell back to plain text."""
   core = (f"[{row['runtime']}] finish={row['finish_reason']} tokens={len(row['token_ids'])} "
           f"forwards={row['forwards']} tokens/forward={row['tokens_per_forward']:.2f} "
-          f"wall={row['wall_s']:.2f}s")
+          f"wall={row['wall_s']:.2f}s" + (f" (batch of {row['batch']})" if row.get("batch", 1) > 1
+                                          else ""))
   known = {"id", "source", "prompt", "runtime", "text", "token_ids", "logprobs",
            "finish_reason", "forwards", "tokens_per_forward", "wall_s", "prompt_tokens",
-           "reference"}
+           "reference", "batch", "raw"}
   extra = " ".join(f"{k}={v}" for k, v in row.items() if k not in known and k != "degraded")
   deg = row.get("degraded")
-  return core + (f" {extra}" if extra else "") + (f" degraded={len(deg)} rule(s)" if deg else "")
+  return core + (f" {extra}" if extra else "") + (f" degraded_tags={len(deg)}" if deg else "")
 
 
 def pasta_prompts(pc: ml_collections.ConfigDict) -> list[dict]:

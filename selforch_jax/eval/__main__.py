@@ -11,7 +11,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from selforch_jax import config_lib
+from selforch_jax import cli, config_lib
 from selforch_jax.eval.run import run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "eval config file", lock_config=True)
@@ -51,4 +51,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_lib.parse_flags)
+  app.run(main, flags_parser=cli.flags_parser(__doc__, ["config", "workdir"]))

@@ -198,3 +198,48 @@ def prompt_lookup(context: Sequence[int], max_ngram: int = 3, num_pred: int = 10
       s = int(hits[0]) + n
       return ctx[s:s + num_pred].tolist()
   return []
+
+
+def graft_chain(parents: np.ndarray, tokens: np.ndarray, depth: np.ndarray,
+                chain: Sequence[int], max_nodes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """A guess tree with ``chain`` grafted on as its first branch (PTD + prompt lookup, beyond
+  upstream): the chain's nodes come first (root to tip), then the tree's nodes in their order,
+  each merged with an equal sibling already placed; at most ``max_nodes`` nodes besides the
+  root, so the tree's last nodes are the ones dropped.
+
+  Args:
+    parents, tokens, depth: int64 ``[N + 1]``, a tree in :meth:`Trie.flatten`'s layout.
+    chain: int token ids (e.g. :func:`prompt_lookup`'s draft).
+    max_nodes: node budget (>= 0).
+
+  Returns:
+    ``(parents, tokens, depth)`` int64 ``[M + 1]``, the same layout (every parent earlier).
+  """
+  P, T, D = [-1], [0], [0]
+  index: dict[tuple[int, int], int] = {}
+
+  def add(parent: int, tok: int) -> int | None:
+    key = (parent, int(tok))
+    if key in index:
+      return index[key]
+    if len(T) - 1 >= max_nodes:
+      return None
+    P.append(parent)
+    T.append(int(tok))
+    D.append(D[parent] + 1)
+    index[key] = len(T) - 1
+    return index[key]
+
+  node: int | None = 0
+  for tok in chain:
+    node = add(node, tok)
+    if node is None:
+      break
+  where = {0: 0}
+  for i in range(1, len(parents)):
+    at = where.get(int(parents[i]))
+    if at is not None:
+      j = add(at, int(tokens[i]))
+      if j is not None:
+        where[i] = j
+  return np.asarray(P, np.int64), np.asarray(T, np.int64), np.asarray(D, np.int64)

@@ -29,7 +29,11 @@ the guess tree at most ``max_guess`` nodes, chosen from the measured step-cost c
 (:func:`choose_sizes`); the draft takes whatever the guess tree leaves of the bucket (padding
 queries cost the same); nodes are fed in (sibling-rank, depth) order so every subtree's main chain
 is fed first; ``cache_from_output`` also records the committed text's n-grams; ``pld_init``
-(upstream ``PLD_INI``) seeds the cache with the prompt's 5-grams.
+(upstream ``PLD_INI``) seeds the cache with the prompt's 5-grams; ``lookup_ngram > 0`` grafts a
+prompt-lookup chain (:func:`~selforch_jax.runtime.ngram.prompt_lookup` over prompt + output, the
+PLD baseline's draft, matched on up to ``lookup_ngram`` tokens of context, not just the last
+one) onto the guess tree as its first branch (:func:`~selforch_jax.runtime.ngram.graft_chain`),
+inside the same ``max_guess`` budget.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from typing import Sequence
 
 import numpy as np
 
-from selforch_jax.runtime.ngram import TrieCache
+from selforch_jax.runtime.ngram import TrieCache, graft_chain, prompt_lookup
 from selforch_jax.runtime.registry import register
 from selforch_jax.runtime.sampling import SamplingParams
 from selforch_jax.runtime.schedulers.spec_base import Draft, Request, SpecScheduler, spec_factory
@@ -220,7 +224,8 @@ def choose_sizes(step_ms: dict, accept: dict, min_draft: int = 1) -> dict:
 
 class PTDScheduler(SpecScheduler):
   """PTD (module docstring). Args as :class:`SpecScheduler`, plus upstream's tree / cache options
-  (:data:`UPSTREAM`) and ``cache_from_output`` (record committed n-grams of length ``pld_n``) and
+  (:data:`UPSTREAM`), ``cache_from_output`` (record committed n-grams of length ``pld_n``),
+  ``lookup_ngram`` (0: off, upstream; else the prompt-lookup chain's longest match) and
   ``record_budgets`` (guess budgets whose counterfactual acceptance is recorded per step, for
   :func:`choose_sizes`; node logits depend only on the node's path, so a BFS prefix of the guess
   tree verified on the same logits is exactly what that budget would have accepted).
@@ -231,13 +236,17 @@ class PTDScheduler(SpecScheduler):
   def __init__(self, prompts, max_new_tokens, sampling=SamplingParams(), stop_ids=(),
                owner_base=0, segment_base=0, *, max_tree=15, max_guess=8, max_pos=1 << 30,
                max_depth=6, max_child=4, min_child=4, ini_max_depth=2, ini_nodes=2, trie_cap=60,
-               pld_init=False, pld_n=5, cache_from_output=False, record_budgets=()):
+               pld_init=False, pld_n=5, cache_from_output=False, lookup_ngram=0,
+               record_budgets=()):
     super().__init__(prompts, max_new_tokens, sampling, stop_ids, owner_base, segment_base,
                      max_tree=max_tree, max_guess=max_guess, max_pos=max_pos)
     self.tree_kw = dict(max_depth=max_depth, max_child=max_child, min_child=min_child,
                         ini_max_depth=ini_max_depth, ini_nodes=ini_nodes)
     self.trie_cap, self.pld_init, self.pld_n = int(trie_cap), bool(pld_init), int(pld_n)
     self.cache_from_output = bool(cache_from_output)
+    if lookup_ngram < 0:
+      raise ValueError(f"lookup_ngram must be >= 0, got {lookup_ngram}")
+    self.lookup_ngram = int(lookup_ngram)
     self.record_budgets = tuple(int(b) for b in record_budgets)
 
   def start(self, req: Request) -> None:
@@ -250,8 +259,12 @@ class PTDScheduler(SpecScheduler):
 
   def propose(self, req: Request, budget: int):
     remaining = self.max_new - len(req.tokens)
-    parents, toks, _ = req.extra["cache"].guess(req.tokens[-1], min(budget, self.max_guess),
-                                                max_depth=remaining)
+    n_guess = min(budget, self.max_guess)
+    parents, toks, depth = req.extra["cache"].guess(req.tokens[-1], n_guess, max_depth=remaining)
+    if self.lookup_ngram and n_guess > 0:   # beyond upstream: a prompt-lookup chain first
+      chain = prompt_lookup(req.context, self.lookup_ngram, min(n_guess, remaining))
+      if chain:
+        parents, toks, _ = graft_chain(parents, toks, depth, chain, n_guess)
     nodes, draft = req.extra["tree"].layout(budget - (parents.size - 1))
     req.extra["fed"] = nodes
     req.extra["guess"] = (parents, toks)
