@@ -56,7 +56,7 @@ def main(argv):
     if _MODEL.value:
       if _ADAPTER.value or step is not None:
         raise ValueError("--adapter, --step and --round apply to --workdir runs, not --model")
-      from selforch_jax.trainers.restore import export_model
+      from selforch_jax.adapter import export_model
       out = export_model(_MODEL.value, _OUT.value, _DTYPE.value)
     elif _ADAPTER.value:
       if flags.FLAGS["dtype"].present:

