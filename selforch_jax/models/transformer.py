@@ -344,6 +344,41 @@ def fake_quant(x: jax.Array, bits: int) -> jax.Array:
   return (jnp.round(xf / safe) * safe).astype(x.dtype)
 
 
+def channel_keep_mask(h: jax.Array, keep_frac: jax.Array) -> jax.Array:
+  """SOL's structured MLP-input activation pruning (akhauriyash/SOL ``utils/masks.py``): keep
+  the top ``ceil(keep_frac * D)`` channels of ``h`` ranked by ``|h|`` (ties: the lower channel)
+  and zero the rest. Upstream ranks by ``max_t |h|`` over the call's tokens of one example;
+  here each query ranks by its own ``|h_t|`` (a decode step's query is one token of one
+  sequence, so for one query it is upstream's rule; several queries of one step may belong to
+  different sequences, e.g. SOL's counterfactual rollouts).
+
+  Args:
+    h: ``[B, T, D]`` MLP input (the normed hidden state), any float dtype.
+    keep_frac: float ``[B, T]`` channel keep fraction per query (``>= 1``: all, ``<= 0``: one
+      channel: at least one channel is kept).
+
+  Returns:
+    float32 ``[B, T, D]`` 0/1 mask.
+  """
+  D = h.shape[-1]
+  n = jnp.clip(jnp.ceil(keep_frac.astype(jnp.float32) * D), 1, D).astype(jnp.int32)
+  a = jnp.abs(h.astype(jnp.float32))
+  rank = jnp.argsort(jnp.argsort(-a, axis=-1, stable=True), axis=-1, stable=True)
+  return (rank < n[..., None]).astype(jnp.float32)
+
+
+def fake_quant_rows(x: jax.Array, bits: jax.Array) -> jax.Array:
+  """:func:`fake_quant` with a bit-width per token: ``x [B, T, D]``, ``bits`` float or int
+  ``[B, T]`` in [2, 16]; rows with ``bits >= 16`` are returned unchanged (SOL's per-step
+  activation-bits knob when the queries of one step carry different actions)."""
+  xf = x.astype(jnp.float32)
+  b = bits.astype(jnp.float32)[..., None]
+  qmax = jnp.exp2(jnp.minimum(b, 15.0) - 1.0) - 1.0
+  s = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / qmax
+  safe = jnp.where(s > 0, s, 1.0)
+  return jnp.where(b >= 16, xf, jnp.round(xf / safe) * safe).astype(x.dtype)
+
+
 class Transformer(nnx.Module):
   """Decoder-only causal LM (Llama / SmolLM2 / Qwen3).
 
@@ -370,7 +405,9 @@ class Transformer(nnx.Module):
                view: str = "base", mlp_keep: jax.Array | None = None, act_bits: int = 16,
                sparsity: tuple = ("none",), keep_frac: jax.Array | None = None,
                key_order: jax.Array | None = None,
-               layer_params: dict[str, list] | None = None) -> tuple:
+               layer_params: dict[str, list] | None = None,
+               mlp_keep_frac: jax.Array | None = None, query_bits: jax.Array | None = None,
+               return_usage: bool = False) -> tuple:
     """Forward pass.
 
     Args:
@@ -411,13 +448,23 @@ class Transformer(nnx.Module):
         (:func:`recency_key_mask`, the same for every layer). Not with an attention backend.
       keep_frac: float ``[B, T]`` keep fraction per query; required when ``sparsity`` is set.
       key_order: optional int ``[B, S]`` age rank of the keys for ``recency``.
+      mlp_keep_frac: optional float ``[B, T]``: every layer keeps the top ``ceil(frac * D)``
+        MLP input channels of each query by ``|h|`` (:func:`channel_keep_mask`; after
+        ``mlp_keep``).
+      query_bits: optional ``[B, T]`` MLP-output fake-quant bits per query
+        (:func:`fake_quant_rows`; 16 = off; after ``act_bits``).
+      return_usage: also return float32 ``[B, T, 3]``, the compute each query got: the kept
+        fraction of the keys it may see (mean over layers and KV heads; 1 without sparsity or on
+        the dense rule), the kept fraction of MLP input channels (mean over layers; counts the
+        nonzero channels of ``mlp_keep`` too) and its MLP-output bits / 16.
       layer_params: optional ``{name: [L arrays]}``: the layer parameters unstacked, one array
         per layer (:func:`unstack_layers`); with ``layer_loop="unroll"`` layer i reads its own
         arrays instead of slicing the stacked ones (no per-step weight copy on CPU).
 
     Returns:
       ``(logits [B, T, V] float32, new_cache)`` (``new_cache`` is None without a cache);
-      ``(logits, new_cache, attn_mass)`` with ``return_attn_mass``. With every spec argument
+      ``(logits, new_cache, attn_mass)`` with ``return_attn_mass``; the usage ``[B, T, 3]``
+      comes last with ``return_usage``. With every spec argument
       at its default the traced program is the plain one.
 
     Raises:
@@ -452,6 +499,9 @@ class Transformer(nnx.Module):
     if mlp_keep is not None and mlp_keep.shape not in ((cfg.hidden_size,),
                                                        (B, T, cfg.hidden_size)):
       raise ValueError(f"mlp_keep shape {mlp_keep.shape} is neither [D] nor [B, T, D]")
+    for name, arr in (("mlp_keep_frac", mlp_keep_frac), ("query_bits", query_bits)):
+      if arr is not None and arr.shape != (B, T):
+        raise ValueError(f"{name} shape {arr.shape} != {(B, T)}")
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
     loop = cfg.resolved_layer_loop(decode=kv_cache is not None)
     if layer_params is not None and loop != "unroll":
@@ -504,6 +554,14 @@ class Transformer(nnx.Module):
       m = step_mask
       if sparse[0] == "quest":
         m = quest_key_mask(q, keys, mask, keep_frac.astype(jnp.float32), sparse[1])
+      use = None
+      if return_usage:
+        kept = jnp.ones((B, T), jnp.float32)
+        if sparse[0] != "none":
+          seen = jnp.maximum(mask.sum(-1), 1).astype(jnp.float32)          # [B, T]
+          n_kept = m.sum(-1).astype(jnp.float32)
+          n_kept = n_kept.mean(1) if m.ndim == 4 else n_kept                # [B, K, T]: QUEST
+          kept = jnp.where(mask.any(-1), n_kept / seen, 1.0)
       if callable(m):  # an attention backend, e.g. runtime.paged_backend.PagedAttentionMask
         if return_attn_mass:
           raise ValueError("return_attn_mass needs a dense mask, not an attention backend")
@@ -516,11 +574,24 @@ class Transformer(nnx.Module):
       h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
       if mlp_keep is not None:
         h = h * mlp_keep.astype(h.dtype)
+      if mlp_keep_frac is not None:
+        h = h * channel_keep_mask(h, mlp_keep_frac).astype(h.dtype)
       g = proj(h, p, "gate_proj", "btd,df->btf", dtype, ls)
       u = proj(h, p, "up_proj", "btd,df->btf", dtype, ls)
-      x = x + fake_quant(proj(jax.nn.silu(g) * u, p, "down_proj", "btf,fd->btd", dtype, ls),
-                         act_bits)
-      return x, cache_kv, mass
+      y = fake_quant(proj(jax.nn.silu(g) * u, p, "down_proj", "btf,fd->btd", dtype, ls), act_bits)
+      if query_bits is not None:
+        y = fake_quant_rows(y, query_bits)
+      x = x + y
+      if return_usage:
+        D = cfg.hidden_size
+        chan = jnp.ones((B, T), jnp.float32)
+        if mlp_keep is not None:
+          chan = jnp.broadcast_to((mlp_keep != 0).astype(jnp.float32).sum(-1) / D, (B, T))
+        if mlp_keep_frac is not None:
+          n = jnp.clip(jnp.ceil(mlp_keep_frac.astype(jnp.float32) * D), 1, D)
+          chan = jnp.minimum(chan, n / D)
+        use = jnp.stack([kept, chan], -1)                                   # [B, T, 2]
+      return x, cache_kv, (mass, use)
 
     if cfg.remat:
       layer = jax.checkpoint(layer)
@@ -533,15 +604,16 @@ class Transformer(nnx.Module):
       if kv_cache is not None:
         slots_eff = (write_slots if write_slots is not None
                      else jnp.broadcast_to(cache_index + jnp.arange(T), (B, T)))
-      masses, new_kv = [], []
+      masses, uses, new_kv = [], [], []
       for i in range(cfg.num_layers):
         p = {name: arr[i] for name, arr in params.items()}
         if kv_cache is None:
-          x, _, mass = layer(x, p, None)
+          x, _, (mass, use) = layer(x, p, None)
         else:
-          x, kv, mass = layer(x, p, (kv_cache.k[i, :, :S], kv_cache.v[i, :, :S]))
+          x, kv, (mass, use) = layer(x, p, (kv_cache.k[i, :, :S], kv_cache.v[i, :, :S]))
           new_kv.append(kv)
         masses.append(mass)
+        uses.append(use)
       new_cache = None
       if kv_cache is not None:
         rows = jnp.arange(B)[:, None]
@@ -550,24 +622,33 @@ class Transformer(nnx.Module):
         new_cache = KVCache(k=kv_cache.k.at[:, rows, slots_eff].set(ks),
                             v=kv_cache.v.at[:, rows, slots_eff].set(vs))
       masses = jnp.stack(masses) if return_attn_mass else None
+      uses = jnp.stack(uses) if return_usage else None
     elif kv_cache is None:
       def body(x, p):
-        x, _, mass = layer(x, p, None)
-        return x, mass
-      x, masses = jax.lax.scan(body, x, params)
+        x, _, aux = layer(x, p, None)
+        return x, aux
+      x, (masses, uses) = jax.lax.scan(body, x, params)
       new_cache = None
     else:
       def body(carry, xs):
         x, ck_all, cv_all = carry
         p, i = xs
-        x, (ck_all, cv_all), mass = layer(x, p, (ck_all, cv_all, i))
-        return (x, ck_all, cv_all), mass
-      (x, k_all, v_all), masses = jax.lax.scan(
+        x, (ck_all, cv_all), aux = layer(x, p, (ck_all, cv_all, i))
+        return (x, ck_all, cv_all), aux
+      (x, k_all, v_all), (masses, uses) = jax.lax.scan(
           body, (x, kv_cache.k, kv_cache.v), (params, jnp.arange(cfg.num_layers)))
       new_cache = KVCache(k=k_all, v=v_all)
 
     x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     extra = (masses.sum(0),) if return_attn_mass else ()
+    if return_usage:
+      if query_bits is not None:
+        bits = jnp.minimum(query_bits.astype(jnp.float32), 16.0)
+        if act_bits < 16:
+          bits = jnp.minimum(bits, float(act_bits))
+      else:
+        bits = jnp.full((B, T), float(min(act_bits, 16)), jnp.float32)
+      extra = extra + (jnp.concatenate([uses.mean(0), (bits / 16.0)[..., None]], -1),)
     if return_hidden:
       return (x, new_cache) + extra
     return (self.logits_from_hidden(x), new_cache) + extra
