@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-OUTPUTS = ("logits", "hidden", "attn_mass")
+OUTPUTS = ("logits", "hidden", "attn_mass", "usage")
 _SPARSITY = re.compile(r"^(none|quest\((\d+)\)|recency\((\d+),\s*(\d+)\))$")
 
 
@@ -53,7 +53,10 @@ class ForwardSpec:
     outputs: any of :data:`OUTPUTS`: ``logits`` (float32 ``[T, V]``), ``hidden`` (the last
       layer's normed hidden state, ``[T, D]`` in the compute dtype), ``attn_mass`` (float32
       ``[S]``: the attention probability each slot got, summed over layers, heads and queries;
-      H2O's accumulated attention, Zhang et al. 2023).
+      H2O's accumulated attention, Zhang et al. 2023), ``usage`` (float32 ``[T, 3]``: the
+      compute each query got, ``[kept fraction of the keys it sees (mean over layers and KV
+      heads), kept fraction of MLP input channels (mean over layers), MLP-output bits / 16]``;
+      SOL's budget accounting, what the step applied).
     sparsity: ``"none"``, ``"quest(page_size)"`` (QUEST page top-k, Tang et al. 2024: for each
       query and KV head, pages scored by ``sum_d max(q_d maxK_d, q_d minK_d)``, the top
       ``ceil(keep_frac * kv_len / page_size)`` pages kept) or ``"recency(sinks, window)"`` (the
@@ -73,6 +76,12 @@ class ForwardSpec:
       visibility mask); the per-step ``[S]`` form is :attr:`StepPlan.key_keep`.
     mlp_keep: bool or float ``[D]`` or ``[T, D]``: MLP input channels kept (1) / dropped (0).
     keep_frac: float ``[T]``: token-attention keep fraction per query for ``sparsity``.
+    mlp_keep_frac: float ``[T]``: every layer keeps the top ``ceil(frac * D)`` MLP input
+      channels of each query by ``|h|`` (SOL's structured activation pruning,
+      :func:`~selforch_jax.models.transformer.channel_keep_mask`); ``>= 1`` keeps all.
+    query_bits: ``[T]`` MLP-output fake-quant bits per query in [2, 16] (16 = off; SOL's bits
+      knob when the queries of one step carry different actions,
+      :func:`~selforch_jax.models.transformer.fake_quant_rows`).
 
   Raises:
     ValueError: unknown output or view name, bad sparsity string, act_bits outside [2, 16].
@@ -85,6 +94,8 @@ class ForwardSpec:
   query_key_keep: Any = None
   mlp_keep: Any = None
   keep_frac: Any = None
+  mlp_keep_frac: Any = None
+  query_bits: Any = None
 
   def __post_init__(self):
     outs = (self.outputs,) if isinstance(self.outputs, str) else tuple(self.outputs)
@@ -95,15 +106,21 @@ class ForwardSpec:
     parse_sparsity(self.sparsity)
     if not 2 <= int(self.act_bits) <= 16:
       raise ValueError(f"act_bits must be in [2, 16] (16 = off), got {self.act_bits}")
+    if self.query_bits is not None:
+      qb = np.asarray(self.query_bits)
+      if qb.size and not ((qb >= 2) & (qb <= 16)).all():
+        raise ValueError(f"query_bits must be in [2, 16] (16 = off), got {qb.min()}..{qb.max()}")
     if not isinstance(self.view, str) or not self.view:
       raise ValueError(f"view must be a non-empty string, got {self.view!r}")
 
   def static(self) -> tuple:
     """The hashable part that chooses the compiled program: ``(view, outputs, sparsity,
-    act_bits, has_query_key_keep, mlp_keep_rank, has_keep_frac)``."""
+    act_bits, has_query_key_keep, mlp_keep_rank, has_keep_frac, has_mlp_keep_frac,
+    has_query_bits)``."""
     mk = None if self.mlp_keep is None else int(np.ndim(self.mlp_keep))
     return (self.view, tuple(sorted(self.outputs)), parse_sparsity(self.sparsity),
-            int(self.act_bits), self.query_key_keep is not None, mk, self.keep_frac is not None)
+            int(self.act_bits), self.query_key_keep is not None, mk, self.keep_frac is not None,
+            self.mlp_keep_frac is not None, self.query_bits is not None)
 
   @property
   def is_plain(self) -> bool:
@@ -167,6 +184,7 @@ class StepResult:
     released_pages: pages returned to the free list by this plan's evictions.
     hidden: ``[T, D]`` device array of the last layer's hidden state, when asked for.
     attn_mass: float32 ``[S]`` device array, when asked for.
+    usage: float32 ``[T, 3]`` device array (see :class:`ForwardSpec` ``outputs``), when asked.
   """
 
   logits: jax.Array | None
@@ -174,3 +192,4 @@ class StepResult:
   released_pages: list[int]
   hidden: jax.Array | None = None
   attn_mass: jax.Array | None = None
+  usage: jax.Array | None = None
