@@ -82,7 +82,8 @@ def _jitted_spec_step(graphdef, key, state, cache, tokens, positions, write_slot
                       layers=None):
   """The engine step under a :class:`~selforch_jax.runtime.step.ForwardSpec` (``key`` =
   :func:`spec_key`; ``extras``: dict of the step's arrays ``mlp_keep [D] | [Tb, D]``,
-  ``keep_frac [Tb]``, ``key_order [W]``, absent when off).
+  ``keep_frac [Tb]``, ``key_order [W]``, ``mlp_keep_frac [Tb]``, ``query_bits [Tb]``, absent
+  when off).
 
   Returns ``(outputs, cache)`` with ``outputs`` a dict of the asked ``logits [Tb, V]``,
   ``hidden [Tb, D]``, ``attn_mass [S]`` (float32, 0 past the key window); with ``key ==
@@ -103,13 +104,17 @@ def _jitted_spec_step(graphdef, key, state, cache, tokens, positions, write_slot
   if "mlp_keep" in extras:
     mk = extras["mlp_keep"]
     kw["mlp_keep"] = mk if mk.ndim == 1 else mk[None]
+  for name in ("mlp_keep_frac", "query_bits"):
+    if name in extras:
+      kw[name] = extras[name][None]
   want_mass, want_hidden = "attn_mass" in outputs, "hidden" in outputs
+  want_usage = "usage" in outputs
   paged = isinstance(mask, PagedAttentionMask)   # (operands in _jitted_step's order)
   kl, W = ({}, cache.max_len) if paged else (dict(key_len=mask.shape[1]), mask.shape[1])
   res = model(tokens[None], positions[None], mask if paged else mask[None], cache,
               write_slots=write_slots[None],
               return_hidden=want_hidden or "logits" not in outputs, return_attn_mass=want_mass,
-              layer_params=layers, **kl, **kw)
+              return_usage=want_usage, layer_params=layers, **kl, **kw)
   first, cache = res[0], res[1]
   if key == PLAIN_KEY and not extras:
     return first[0], cache
@@ -122,6 +127,8 @@ def _jitted_spec_step(graphdef, key, state, cache, tokens, positions, write_slot
     out["logits"] = first[0]
   if want_mass:
     out["attn_mass"] = jnp.pad(res[2][0], (0, cache.max_len - W))
+  if want_usage:
+    out["usage"] = res[-1][0]
   return out, cache
 
 
@@ -228,7 +235,7 @@ class Engine:
     Returns:
       Without ``spec``: float32 ``[T, V]`` logits (a device array). With ``spec``: a dict
       ``{"logits": float32 [T, V] | None, "hidden": [T, D] (compute dtype) | None,
-      "attn_mass": float32 [S] | None}`` (None where the spec did not ask; ``attn_mass`` is
+      "attn_mass": float32 [S] | None, "usage": float32 [T, 3] | None}`` (None where the spec did not ask; ``attn_mass`` is
       the attention probability each slot got, summed over layers, heads and the real
       queries, 0 past the key window).
 
@@ -299,7 +306,7 @@ class Engine:
       out = {k: (v if k == "attn_mass" else v[:T]) for k, v in out.items()}
     if spec is None:
       return out["logits"]
-    return {k: out.get(k) for k in ("logits", "hidden", "attn_mass")}
+    return {k: out.get(k) for k in ("logits", "hidden", "attn_mass", "usage")}
 
   def _spec_arrays(self, spec: ForwardSpec, key: tuple, T: int, Tb: int) -> dict:
     """The padded device-bound arrays of ``spec`` (see :func:`_jitted_spec_step`)."""
@@ -322,6 +329,13 @@ class Engine:
       if kf.shape != (T,):
         raise ValueError(f"step: keep_frac {kf.shape} != [{T}]")
       extras["keep_frac"] = np.concatenate([kf, np.ones(Tb - T, np.float32)])
+    for name, fill in (("mlp_keep_frac", 1.0), ("query_bits", 16.0)):
+      arr = getattr(spec, name)
+      if arr is not None:
+        a = np.asarray(arr, np.float32).reshape(-1)
+        if a.shape != (T,):
+          raise ValueError(f"step: {name} {a.shape} != [{T}]")
+        extras[name] = np.concatenate([a, np.full(Tb - T, fill, np.float32)])
     return extras
 
   def warm_up(self, sizes, attn_mass: tuple[bool, ...] = (False,),
@@ -355,7 +369,9 @@ class Engine:
           sp = dataclasses.replace(
               spec, query_key_keep=None,
               mlp_keep=None if mk is None else np.ones((D,) if np.ndim(mk) == 1 else (T, D)),
-              keep_frac=None if spec.keep_frac is None else np.full(T, 0.5))
+              keep_frac=None if spec.keep_frac is None else np.full(T, 0.5),
+              mlp_keep_frac=None if spec.mlp_keep_frac is None else np.full(T, 0.5),
+              query_bits=None if spec.query_bits is None else np.full(T, 8.0))
         for W in key_windows(S) if self.attention == "reference" else [S]:
           if Tb >= KEY_WINDOW_MIN and W < T:
             continue
