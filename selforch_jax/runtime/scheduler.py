@@ -95,7 +95,7 @@ def execute(engine: Engine, plan: StepPlan) -> StepResult:
     for o in np.unique(owners)[::-1]:
       pool.rollback(int(o), int(np.count_nonzero(owners == o)))
   return StepResult(logits=out["logits"], slots=slots, released_pages=released,
-                    hidden=out["hidden"], attn_mass=out["attn_mass"])
+                    hidden=out["hidden"], attn_mass=out["attn_mass"], usage=out["usage"])
 
 
 def run(engine: Engine, scheduler: Scheduler, max_steps: int | None = None,
