@@ -116,8 +116,8 @@ def test_plain_spec_compiles_to_the_plain_program(model):
 def test_plain_spec_equals_no_spec_and_old_outputs(model, prompt):
   old, _ = prefill(model, prompt)                 # no spec: today's call, logits only
   new, eng = prefill(model, prompt, spec=PLAIN)
-  assert set(new) == {"logits", "hidden", "attn_mass"}
-  assert new["hidden"] is None and new["attn_mass"] is None
+  assert set(new) == {"logits", "hidden", "attn_mass", "usage"}
+  assert new["hidden"] is None and new["attn_mass"] is None and new["usage"] is None
   np.testing.assert_array_equal(np.asarray(old), np.asarray(new["logits"]))
   assert not eng.specs_used                       # the plain program ran
   ref, _ = full_forward(model, prompt)
