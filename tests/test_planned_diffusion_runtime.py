@@ -1,0 +1,245 @@
+"""Planned Diffusion scheduler (issue 21) on a tiny random model and on scripted logits.
+
+* Train = decode oracle: at every engine step (prefill, AR, every denoising step, the sync
+  step), the logits the step computes for each query equal the training forward's (whole
+  sequence, :func:`~selforch_jax.lang.planned_diffusion.planned_diffusion_layout` mask) on the
+  sequence state of that step, float32 1e-5.
+* Batch 2 decodes exactly as each request alone (tokens and per-request figures).
+* Guards on scripted logits: a runaway planner, a promise without a length, too many promises,
+  too many rounds, EOS right after a plan, a tiny budget: nothing crashes, no text is lost.
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from selforch_jax.lang import Promise, Round, TagVocab, assemble, batch_layouts, serialize
+from selforch_jax.lang.planned_diffusion import planned_diffusion_layout
+from selforch_jax.models.config import get_preset
+from selforch_jax.models.transformer import init_model
+from selforch_jax.runtime import schedulers
+from selforch_jax.runtime.diffusion_unmask import confidence
+from selforch_jax.runtime.engine import Engine
+from selforch_jax.runtime.scheduler import execute, run
+from selforch_jax.runtime.schedulers import planned_diffusion as pd
+from selforch_jax.runtime.step import StepResult
+
+BASE = 256
+V = BASE + 11
+EOS = 2
+TV = TagVocab.appended(BASE, 4, eos_ids=[EOS], digit_ids=range(48, 58), space_ids=[32])
+UNIT = 2   # tokens per promise unit: short chunks for the tiny model
+PAD_TO = 160
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  model = init_model(get_preset("tiny_llama", vocab_size=V), seed=5)
+  graphdef, state = nnx.split(model)
+  fwd = jax.jit(lambda st, t, p, m: nnx.merge(graphdef, st)(t, p, m)[0])
+  return model, state, fwd
+
+
+def _plan_prompt(prefix, lengths):
+  plan = [75] + [Promise((80 + k,), n) for k, n in enumerate(lengths)]
+  return serialize(list(prefix) + [Round(plan=tuple(plan), sync=False)], TV) + [TV.async_open]
+
+
+PROMPTS = [_plan_prompt([70, 71, 72], (1, 3, 2)), _plan_prompt([90, 91, 92, 93, 94], (2, 1))]
+
+
+def _full(fwd, state, seq):
+  lay = planned_diffusion_layout(np.asarray(seq), TV, eos_ids=(), length_unit=UNIT)
+  b = batch_layouts([lay], PAD_TO)
+  return np.asarray(fwd(state, b["tokens"], b["positions"], b["mask"]))[0, :lay.num_tokens]
+
+
+def test_train_equals_decode_every_step(tiny):
+  model, state, fwd = tiny
+  engine = Engine(model, num_pages=128, page_size=4)
+  s = pd.PlannedDiffusionScheduler(PROMPTS, TV, 60, stop_ids=[EOS], length_unit=UNIT,
+                                   vocab_size=V)
+  kinds = collections.Counter()
+  while (plan := s.next_step()) is not None:
+    seqs = [s.sequence(i) for i in range(len(PROMPTS))]   # the state this step runs on
+    result = execute(engine, plan)
+    got = np.asarray(result.logits)
+    kind, _, queries = plan.tag        # queries: (request, sequence index) per query row
+    kinds[kind] += 1
+    checked = 0
+    for i in range(len(PROMPTS)):
+      rows = [t for t, (ri, _) in enumerate(queries) if ri == i]
+      if not rows:
+        continue
+      full = _full(fwd, state, seqs[i])
+      idx = [queries[t][1] for t in rows]
+      np.testing.assert_allclose(got[rows], full[idx], atol=1e-5, rtol=1e-5)
+      checked += len(rows)
+    assert checked == len(plan.tokens)
+    s.on_step(plan, result)
+  assert kinds["denoise"] == 3 * UNIT and kinds["ar"] >= 4
+  assert [st["chunks"] for st in s.stats] == [3, 2] and all(st["rounds"] == 1 for st in s.stats)
+  assert [st["denoise_steps"] for st in s.stats] == [3 * UNIT, 2 * UNIT]
+  # the chunks' final state is in the sequence: no mask is left
+  assert all(TV.mask not in s.sequence(i) for i in range(2))
+
+
+def test_batch_equals_single(tiny):
+  model, _, _ = tiny
+  kw = dict(stop_ids=[EOS], length_unit=UNIT, vocab_size=V)
+  prompts = PROMPTS + [[70, 71, 72, 73]]
+
+  def go(ps):
+    engine = Engine(model, num_pages=192, page_size=4)
+    s = pd.PlannedDiffusionScheduler(ps, TV, 48, **kw)
+    run(engine, s)
+    return s
+
+  both = go(prompts)
+  for i, p in enumerate(prompts):
+    one = go([p])
+    assert both.results[i].token_ids == one.results[0].token_ids
+    for k in ("forwards", "critical_path", "ar_steps", "denoise_steps", "rounds", "chunks"):
+      assert both.stats[i][k] == one.stats[0][k], k
+  assert both.stats[0]["critical_path"] < both.stats[0]["tokens"]
+
+
+def test_registered_and_chunk_predictions(tiny):
+  model, _, _ = tiny
+  engine = Engine(model, num_pages=64, page_size=4)
+  s = schedulers.make_scheduler("planned_diffusion", engine, [PROMPTS[1]], tag_vocab=TV,
+                                max_new_tokens=24, stop_ids=[EOS], length_unit=UNIT)
+  run(engine, s)
+  assert s.stats[0]["chunks"] == 2 and len(s.results[0].token_ids) <= 24
+  logits = np.random.default_rng(0).normal(size=(5, V)).astype(np.float32) * 3
+  allowed = np.ones(V, bool)
+  allowed[[3, 7, BASE]] = False
+  for kind in ("entropy", "margin", "prob"):
+    tok, conf, top = pd.chunk_predictions(jnp.asarray(logits), [4, 1, 2], allowed, kind)
+    ref = np.where(allowed, logits, -1e30)[[4, 1, 2]]
+    np.testing.assert_allclose(conf, confidence(ref, kind), atol=1e-5)
+    np.testing.assert_array_equal(tok, ref.argmax(-1))
+    assert np.all(allowed[tok])
+  with pytest.raises(ValueError, match="confidence"):
+    pd.chunk_predictions(jnp.asarray(logits), [0], allowed, "nope")
+
+
+# ---- guards on scripted logits ------------------------------------------------------------------
+
+def _drive(script, prompts, max_new=80, **kw):
+  """Run the scheduler without a model: every AR query row's logits put the top mass on
+  ``script(response so far)`` (and a little on text token 100), every chunk row on token 101."""
+  s = pd.PlannedDiffusionScheduler(prompts, TV, max_new, stop_ids=[EOS], length_unit=UNIT,
+                                   vocab_size=V, **kw)
+  steps = 0
+  while (plan := s.next_step()) is not None:
+    steps += 1
+    assert steps < 2000
+    T = len(plan.tokens)
+    lg = np.zeros((T, V), np.float32)
+    lg[:, 100] = 5.0
+    owners = np.asarray(plan.owners)
+    for r in s.reqs:
+      rows = owners == r.owner
+      if rows.any():
+        lg[rows, script(r.seq[r.resp_start:])] = 10.0
+      lg[owners == r.scratch_owner, 101] = 10.0
+    s.on_step(plan, StepResult(logits=jnp.asarray(lg), slots=np.arange(T), released_pages=[]))
+  return s
+
+
+def _no_text_lost(s, i):
+  resp = s.results[i].token_ids
+  text = assemble(s.sequence(i)[s.reqs[i].text_start:], s.tv, keep_topics=True,
+                  length_unit=UNIT)
+  keep = lambda ids: sorted(t for t in ids if not TV.is_tag(t))  # noqa: E731
+  assert keep(text) == keep(resp)
+
+
+def test_runaway_planner_is_closed():
+  # <promise> then topic tokens forever: the plan cap closes it with the default length
+  def script(resp):
+    if TV.promise_open not in resp:
+      return TV.promise_open
+    return EOS if TV.sync in resp else 80
+  s = _drive(script, [[70, 71]], plan_cap=12, default_length=3)
+  st = s.stats[0]
+  assert any("plan_cap" in n for n in st["notes"]) and st["chunks"] == 1
+  assert s.results[0].finish_reason == "stop" and st["rounds"] == 1
+  resp = s.results[0].token_ids
+  chunk = resp[resp.index(TV.async_open) + 1:resp.index(TV.async_close)]
+  assert chunk == [101] * (3 * UNIT)
+  assert s.text_ids(0) == [101] * (3 * UNIT)
+  _no_text_lost(s, 0)
+
+
+def test_promise_without_length_gets_default():
+  def script(resp):
+    if TV.promise_open not in resp:
+      return TV.promise_open
+    if TV.promise_close not in resp:
+      return 80 if resp.count(80) < 2 else TV.promise_close
+    return TV.async_open if TV.async_open not in resp else EOS
+  s = _drive(script, [[70, 71]], default_length=2)
+  st = s.stats[0]
+  assert any("default_length" in n for n in st["notes"]) and st["chunks"] == 1
+  resp = s.results[0].token_ids
+  assert resp[:6] == [TV.promise_open, 80, 80, 32, 50, TV.promise_close]   # " 2" written
+  assert resp.count(TV.mask) == 0 and resp.count(101) == 2 * UNIT
+  assert s.results[0].finish_reason == "stop"
+  _no_text_lost(s, 0)
+
+
+def test_too_many_promises_and_rounds():
+  # promises with length 1 forever, <async> never: max_promises ends each plan; after
+  # max_rounds the promise / async tags are banned and decoding is plain text (token 100)
+  def script(resp):
+    if resp[-1:] == [TV.promise_open]:
+      return 81
+    if resp[-1:] == [81]:
+      return 49
+    if resp[-1:] == [49]:
+      return TV.promise_close
+    return TV.promise_open
+  s = _drive(script, [[70], [72, 73]], max_new=90, max_promises=3, max_rounds=2)
+  for i in range(2):
+    st = s.stats[i]
+    assert st["rounds"] == 2 and st["chunks"] == 6
+    assert any("max_promises" in n for n in st["notes"])
+    resp = s.results[i].token_ids
+    last_sync = len(resp) - 1 - resp[::-1].index(TV.sync)
+    assert set(resp[last_sync + 1:]) == {100} and s.results[i].finish_reason == "length"
+    assert len(resp) <= 90
+    _no_text_lost(s, i)
+
+
+def test_eos_after_plan_and_tiny_budget():
+  def script(resp):
+    if not resp:
+      return TV.promise_open
+    return {TV.promise_open: 82, 82: 49, 49: TV.promise_close}.get(resp[-1], EOS)
+  s = _drive(script, [[70]])
+  st = s.stats[0]
+  assert st["chunks"] == 1 and st["rounds"] == 1 and s.results[0].finish_reason == "stop"
+  assert s.results[0].token_ids[-1] == TV.async_close   # no <sync/>: EOS ended the round
+  assert st["critical_path"] == 4 + UNIT   # 4 plan tokens, then UNIT denoising steps
+  for budget in (3, 5, 7):
+    t = _drive(script, [[70]], max_new=budget)
+    assert t.results[0].finish_reason in ("length", "stop")
+    assert len(t.results[0].token_ids) <= budget + 1
+    _no_text_lost(t, 0)
+
+
+def test_bad_options():
+  with pytest.raises(ValueError, match="steps_ratio"):
+    pd.PlannedDiffusionScheduler([[1]], TV, 8, steps_ratio=0)
+  with pytest.raises(ValueError, match="max_promises"):
+    pd.PlannedDiffusionScheduler([[1]], TV, 8, max_promises=0)
+  with pytest.raises(ValueError, match="digit_ids"):
+    pd.PlannedDiffusionScheduler([[1]], TagVocab.appended(BASE, 0), 8)
+  with pytest.raises(ValueError, match="threshold"):
+    pd.PlannedDiffusionScheduler([[1]], TV, 8, threshold=1.5)
