@@ -25,14 +25,17 @@ __all__ = ["Answer", "RUNTIMES", "TAGGED_RUNTIMES", "DEFAULT_ADAPTERS", "generat
            "decode_ids", "load", "check_adapter", "ApiError"]
 
 RUNTIMES = ("ar", "pasta", "tip", "sot", "apar", "streaming_llm", "h2o", "ptd", "pld", "lookahead",
-            "orthrus")
+            "orthrus", "planned_diffusion")
 SPECULATIVE_RUNTIMES = ("ptd", "pld", "lookahead", "orthrus")  # lossless draft + verify
-TAGGED_RUNTIMES = ("pasta", "tip")          # need a model with the orchestration tags
+TAGGED_RUNTIMES = ("pasta", "tip", "planned_diffusion")   # need a model with the tags
 DEFAULT_ADAPTERS = {("pasta", "smollm2_135m"): "adapters/pasta_smollm2_135m"}
 DEFAULT_KV_BUDGET = 256                     # streaming_llm / h2o live tokens per request
 # max_new_tokens when a caller gives none: a PASTA plan alone can take 128 tokens, a TIP answer
 # carries its register tags
-DEFAULT_MAX_NEW_TOKENS = {"pasta": 512, "tip": 512}
+DEFAULT_MAX_NEW_TOKENS = {"pasta": 512, "tip": 512, "planned_diffusion": 512}
+# decode_ids options a planned_diffusion job passes on (PlannedDiffusionScheduler's arguments)
+PD_OPTIONS = ("steps_ratio", "eps", "confidence", "threshold", "max_promises", "max_rounds",
+              "plan_cap", "default_length", "max_length")
 DEFAULT_MAX_NEW_TOKENS_OTHER = 128
 
 
@@ -205,6 +208,9 @@ def _pool(runtime: str, prompt_lens: list[int], max_new: int, options: dict, tv)
   if runtime == "apar":  # one prompt at a time; each child ends in a page of its own
     return dict(prompt_lens=[max(prompt_lens)], max_new_tokens=max_new,
                 threads=int(options.get("max_forks", 8)) + 1)
+  if runtime == "planned_diffusion":   # a scratch owner holds at most one round's scaffold
+    return dict(prompt_lens=prompt_lens, max_new_tokens=max_new, threads=2,
+                extra_tokens=max_new + 16)
   if runtime in SPECULATIVE_RUNTIMES:
     # a step that accepts guesses relabels their pages into the sequence (at worst one page per
     # generated token), and the tree step's owner needs pages for up to 64 tree tokens
@@ -249,7 +255,8 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
       PASTA run their own batches inside one job).
     options: the runtime's own options (PASTA: cap, constrain_tags, max_threads,
       max_topic_tokens; SoT: skeleton_tokens, point_tokens, max_points; APAR: child_tokens,
-      max_forks; streaming_llm / h2o: budget, n_sink, recent_ratio; orthrus: block_size).
+      max_forks; streaming_llm / h2o: budget, n_sink, recent_ratio; orthrus: block_size;
+      planned_diffusion: :data:`PD_OPTIONS`).
     on_token: ``callback(prompt index, token id)`` as tokens are sampled (AR-like runtimes).
     on_answer: ``callback(prompt index, Answer)`` as each job finishes.
     trace: ``""`` (off); a path ending in ``.html`` / ``.png`` / ``.json``: every engine step
@@ -314,6 +321,9 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
                                          "max_topic_tokens") if k in options})
     elif runtime == "tip":
       kw["tag_vocab"] = tag_vocab
+    elif runtime == "planned_diffusion":
+      kw["tag_vocab"] = tag_vocab
+      kw.update({k: options[k] for k in PD_OPTIONS if k in options})
     elif runtime == "sot":
       kw.update(tokenizer=tokenizer, questions=[questions[i] for i in rows])
       kw.update({k: options[k] for k in ("skeleton_tokens", "point_tokens", "max_points")
@@ -381,6 +391,16 @@ def _answer(runtime, sched, j, tok, tv, decode, wall) -> Answer:
                 degraded=list(st.degraded), raw=tokenizer_raw(tok, ids))
     return Answer(sched.text(j, tok), ids, _finish(res, st.degraded), st.forwards,
                   st.tokens_per_forward, st.wall_s if st.wall_s else wall,
+                  logprobs=list(res.logprobs), figures=figs)
+  if runtime == "planned_diffusion":
+    st = sched.stats[j]
+    figs = dict(raw=tokenizer_raw(tok, ids), rounds=st["rounds"],
+                critical_path=st["critical_path"], ar_steps=st["ar_steps"],
+                denoise_steps=st["denoise_steps"], chunks=st["chunks"],
+                content_tokens=st["content_tokens"], well_formed=st["well_formed"],
+                degraded=list(st["notes"]))
+    return Answer(sched.text(j, tok), ids, _finish(res, st["notes"]), st["forwards"],
+                  st["tokens"] / max(st["forwards"], 1), st["wall_s"] or wall,
                   logprobs=list(res.logprobs), figures=figs)
   if runtime == "sot":
     st = sched.stats[j]
