@@ -243,3 +243,22 @@ def test_bad_options():
     pd.PlannedDiffusionScheduler([[1]], TagVocab.appended(BASE, 0), 8)
   with pytest.raises(ValueError, match="threshold"):
     pd.PlannedDiffusionScheduler([[1]], TV, 8, threshold=1.5)
+
+
+def test_api_rows():
+  from selforch_jax import api
+  from tests.trace_fixtures import ByteTagTokenizer, forced_plan_prompt
+  model, tok = init_model(get_preset("tiny_llama", vocab_size=V), seed=5), ByteTagTokenizer()
+  p = forced_plan_prompt(tok)          # promises of lengths 1, 2, 1 (10 tokens per unit)
+  a, b = api.decode_ids(model, tok, [p, tok.encode_chat([{"role": "user", "content": "hi"}])],
+                        runtime="planned_diffusion", max_new_tokens=64, tag_vocab=TV,
+                        options={"steps_ratio": 0.5, "confidence": "margin"})
+  for x in (a, b):
+    assert {"raw", "rounds", "critical_path", "denoise_steps", "chunks"} <= set(x.figures)
+    assert x.wall_s > 0 and x.forwards >= 1 and isinstance(x.text, str)
+    assert x.figures["critical_path"] == x.forwards - 1
+  assert a.figures["chunks"] == 3 and a.figures["denoise_steps"] == 10   # 0.5 x 20 masks
+  assert a.token_ids[0] == TV.async_open and a.token_ids.count(TV.mask) == 0
+  assert a.forwards < len(a.token_ids)
+  with pytest.raises(api.ApiError, match="orchestration tags"):
+    api.decode_ids(model, tok, [p], runtime="planned_diffusion", max_new_tokens=8)
