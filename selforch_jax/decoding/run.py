@@ -52,6 +52,13 @@ HELP = {
     "apar.child_tokens": "APAR: budget of one forked item",
     "apar.max_forks": "APAR: most forks per answer",
     "orthrus.block_size": "orthrus: diffusion block B (1 verified root + B-1 drafts per verify)",
+    "planned_diffusion.steps_ratio": "planned_diffusion: denoising steps per token of the "
+                                     "longest chunk",
+    "planned_diffusion.confidence": "planned_diffusion: unmask order: entropy, margin or prob",
+    "planned_diffusion.threshold": "planned_diffusion: Fast-dLLM probability threshold (0 = off)",
+    "planned_diffusion.max_promises": "planned_diffusion: most promises per round",
+    "planned_diffusion.max_rounds": "planned_diffusion: most rounds (then plain AR)",
+    "planned_diffusion.plan_cap": "planned_diffusion: most tokens of one plan",
     "pasta.adapter": "demo part: PASTA adapter decoding AlpacaEval prompts after the main run ('' = off)",
     "pasta.alpaca_eval": "demo part: AlpacaEval prompts",
     "pasta.offset": "demo part: first AlpacaEval row",
@@ -83,6 +90,8 @@ def defaults() -> ml_collections.ConfigDict:
       sot=dict(skeleton_tokens=96, point_tokens=64, max_points=10),
       apar=dict(child_tokens=64, max_forks=8),
       orthrus=dict(block_size=8),   # CPU (configs/orthrus.py)
+      planned_diffusion=dict(steps_ratio=1.0, confidence="entropy", threshold=0.0,
+                             max_promises=8, max_rounds=4, plan_cap=96),
       # PASTA options (runtime=pasta and the demo's PASTA part); pasta.adapter "" = no part
       pasta=dict(adapter="", alpaca_eval=6, offset=0, max_new_tokens=256, cap=256,
                  constrain_tags=True, max_threads=DEFAULT_MAX_THREADS,
@@ -173,6 +182,10 @@ def options(config: ml_collections.ConfigDict) -> dict:
     return {"budget": int(config.budget)}
   if rt == "orthrus":
     return {"block_size": int(config.orthrus.block_size)}
+  if rt == "planned_diffusion":
+    o = dict(config.planned_diffusion.to_dict())
+    o["threshold"] = float(o["threshold"]) or None
+    return o
   return {}
 
 
