@@ -262,3 +262,15 @@ def test_api_rows():
   assert a.forwards < len(a.token_ids)
   with pytest.raises(api.ApiError, match="orchestration tags"):
     api.decode_ids(model, tok, [p], runtime="planned_diffusion", max_new_tokens=8)
+
+
+def test_decode_cli_options():
+  from selforch_jax.decoding import run as decode_run
+  c = decode_run.defaults()
+  c.runtime = "planned_diffusion"
+  c.planned_diffusion.threshold = 0.9
+  o = decode_run.options(c)
+  assert o["threshold"] == 0.9 and o["steps_ratio"] == 1.0 and o["confidence"] == "entropy"
+  c.planned_diffusion.threshold = 0.0
+  assert decode_run.options(c)["threshold"] is None
+  assert "planned_diffusion.plan_cap" in decode_run.help_text()
