@@ -16,6 +16,7 @@ from selforch_jax.runtime.scheduler import Scheduler
 from selforch_jax.runtime.schedulers import apar, ar, kv_policies, pasta, sot, tip  # noqa: F401  (registration)
 from selforch_jax.runtime.schedulers import lookahead, pld, ptd  # noqa: F401  (registration)
 from selforch_jax.runtime.schedulers import orthrus  # noqa: F401  (registration)
+from selforch_jax.runtime.schedulers import sol  # noqa: F401  (registration)
 from selforch_jax.runtime.schedulers import planned_diffusion  # noqa: F401  (registration)
 
 
