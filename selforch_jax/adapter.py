@@ -286,6 +286,8 @@ def load_adapter(adapter_dir: str):
   if meta.get("kind") == "orthrus":
     return _load_view_adapter(meta, tensors)
   mc = ml_collections.ConfigDict(meta["model"])
+  if meta.get("kind") == "sol":   # a compute policy over the unchanged LM (sol_adapter.py)
+    return config_lib.load_model(mc)[1:]
   _, base, tok = config_lib.load_model(mc)
   for token, i in meta["added_tokens"]:
     got = tok.token_to_id(token) if tok is not None else None
