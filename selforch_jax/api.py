@@ -25,7 +25,7 @@ __all__ = ["Answer", "RUNTIMES", "TAGGED_RUNTIMES", "DEFAULT_ADAPTERS", "generat
            "decode_ids", "load", "check_adapter", "ApiError"]
 
 RUNTIMES = ("ar", "pasta", "tip", "sot", "apar", "streaming_llm", "h2o", "ptd", "pld", "lookahead",
-            "orthrus", "planned_diffusion")
+            "orthrus", "planned_diffusion", "sol")
 SPECULATIVE_RUNTIMES = ("ptd", "pld", "lookahead", "orthrus")  # lossless draft + verify
 TAGGED_RUNTIMES = ("pasta", "tip", "planned_diffusion")   # need a model with the tags
 DEFAULT_ADAPTERS = {("pasta", "smollm2_135m"): "adapters/pasta_smollm2_135m"}
@@ -115,6 +115,8 @@ def check_adapter(adapter: str, preset: str | None = None, runtime: str | None =
   if runtime == "orthrus" and kind != "orthrus":
     raise ApiError(f"adapter {adapter!r} is not an Orthrus adapter (no diffusion view): runtime "
                    "'orthrus' needs one")
+  if runtime == "sol" and kind != "sol":
+    raise ApiError(f"adapter {adapter!r} is not a SOL policy adapter: runtime 'sol' needs one")
   if runtime == "tip" and mc.get("tags", False) and int(mc.get("num_registers", 0)) < 1:
     raise ApiError(f"adapter {adapter!r} has no thought registers: runtime 'tip' needs them")
   return mc
@@ -139,6 +141,9 @@ def resolve_adapter(runtime: str, adapter: str | None, preset: str) -> str:
   if runtime == "orthrus":
     raise ApiError("runtime 'orthrus' needs an Orthrus adapter (the trained diffusion view): pass "
                    "--config.adapter=DIR / adapter=DIR (e.g. adapters/orthrus_smollm2_135m)")
+  if runtime == "sol":
+    raise ApiError("runtime 'sol' needs a SOL policy adapter: pass --config.adapter=DIR / "
+                   "adapter=DIR (e.g. adapters/sol_smollm2_135m)")
   if runtime in TAGGED_RUNTIMES:
     raise ApiError(f"runtime {runtime!r} needs a model with the orchestration tags: pass an "
                    f"adapter (--config.adapter=DIR / adapter=DIR) trained for {runtime}; "
@@ -256,7 +261,9 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
     options: the runtime's own options (PASTA: cap, constrain_tags, max_threads,
       max_topic_tokens; SoT: skeleton_tokens, point_tokens, max_points; APAR: child_tokens,
       max_forks; streaming_llm / h2o: budget, n_sink, recent_ratio; orthrus: block_size;
-      planned_diffusion: :data:`PD_OPTIONS`).
+      planned_diffusion: :data:`PD_OPTIONS`; sol: ``policy`` (a SOL adapter directory, or
+      ``(policy, grid, sparsity)``) and ``budget`` (``"kappa,rho,bits"``, default
+      ``0.5,0.8,8``)).
     on_token: ``callback(prompt index, token id)`` as tokens are sampled (AR-like runtimes).
     on_answer: ``callback(prompt index, Answer)`` as each job finishes.
     trace: ``""`` (off); a path ending in ``.html`` / ``.png`` / ``.json``: every engine step
@@ -304,9 +311,10 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
   attention = "reference" if runtime in ("h2o", "paged_h2o") else "auto"
   engine = make_engine(model, page_size=page_size, attention=attention, **pool)
   out: list[Answer | None] = [None] * B
+  sol_policy = _sol_policy(options) if runtime == "sol" else None
   for rows in batches:
     kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops)
-    if runtime in ("ar", "tip", "streaming_llm", "h2o"):
+    if runtime in ("ar", "tip", "streaming_llm", "h2o", "sol"):
       kw.update(stop_strings=stop, decode=decode,
                 on_token=(None if on_token is None else
                           (lambda r, t, rows=rows: on_token(rows[r], t))))
@@ -336,6 +344,9 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
       kw["mask_id"] = tokenizer.token_to_id(MASK_TOKEN)
       if "block_size" in options:
         kw["block_size"] = int(options["block_size"])
+    elif runtime == "sol":
+      kw.update(policy=sol_policy[0], grid=sol_policy[1], sparsity=sol_policy[2],
+                budget=options.get("budget", "0.5,0.8,8"))
     sched = make_scheduler(runtime, engine, [prompts[i] for i in rows], **kw)
     if recorder is not None:
       recorder.attach(sched)
@@ -357,6 +368,29 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
     from selforch_jax.trace_render import render
     render(recorder, trace)
   return out
+
+
+def _sol_policy(options: dict) -> tuple:
+  """``(policy, grid, sparsity)`` of ``options["policy"]``: a SOL adapter directory (loaded) or
+  that tuple.
+
+  Raises:
+    ApiError: no policy given, or not a SOL adapter; a bad ``budget``."""
+  from selforch_jax.runtime.sol_actions import parse_budget
+  pol = options.get("policy")
+  if pol is None or (isinstance(pol, str) and not pol):
+    raise ApiError("runtime 'sol' needs options['policy']: a SOL adapter directory")
+  try:
+    parse_budget(options.get("budget", "0.5,0.8,8"))
+  except ValueError as e:
+    raise ApiError(str(e)) from None
+  if isinstance(pol, (tuple, list)):
+    return tuple(pol)
+  from selforch_jax.sol_adapter import load_sol_policy
+  try:
+    return load_sol_policy(str(pol))[:3]
+  except (OSError, ValueError) as e:
+    raise ApiError(f"SOL policy {pol!r}: {e}") from None
 
 
 def _recorder(trace: Any, tokenizer, runtime: str):
@@ -432,6 +466,8 @@ def _answer(runtime, sched, j, tok, tv, decode, wall) -> Answer:
   else:
     forwards = tokens
   text_ids = ids
+  if runtime == "sol":
+    figs.update(sched.budget(j))
   if runtime == "tip":
     from selforch_jax.lang import assemble
     notes = tuple(sched.layout(j).notes)
@@ -493,7 +529,10 @@ def generate(prompts: str | Sequence[str], runtime: str = "ar", adapter: str | N
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             seed=seed)
   if model is None:
-    model, tokenizer, tv, _ = load(config, adapter, runtime)
+    model, tokenizer, tv, cfg = load(config, adapter, runtime)
+    if runtime == "sol":
+      options = dict(options or {})
+      options.setdefault("policy", resolve_adapter(runtime, adapter, cfg.model.preset))
   else:
     if tokenizer is None:
       raise ApiError("generate(model=...) needs tokenizer= too")
