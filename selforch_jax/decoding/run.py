@@ -52,6 +52,8 @@ HELP = {
     "apar.child_tokens": "APAR: budget of one forked item",
     "apar.max_forks": "APAR: most forks per answer",
     "orthrus.block_size": "orthrus: diffusion block B (1 verified root + B-1 drafts per verify)",
+    "sol.budget": "sol: target budget 'kappa,rho,bits' (attention keep, MLP channel keep, MLP "
+                  "output bits)",
     "planned_diffusion.steps_ratio": "planned_diffusion: denoising steps per token of the "
                                      "longest chunk",
     "planned_diffusion.confidence": "planned_diffusion: unmask order: entropy, margin or prob",
@@ -90,6 +92,7 @@ def defaults() -> ml_collections.ConfigDict:
       sot=dict(skeleton_tokens=96, point_tokens=64, max_points=10),
       apar=dict(child_tokens=64, max_forks=8),
       orthrus=dict(block_size=8),   # CPU (configs/orthrus.py)
+      sol=dict(budget="0.5,0.8,8"),
       planned_diffusion=dict(steps_ratio=1.0, confidence="entropy", threshold=0.0,
                              max_promises=8, max_rounds=4, plan_cap=96),
       # PASTA options (runtime=pasta and the demo's PASTA part); pasta.adapter "" = no part
@@ -118,6 +121,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
                                  f"{', '.join(api.RUNTIMES)}")
   if config.max_new_tokens < 0:
     raise config_lib.ConfigError("max_new_tokens must be >= 1 (or 0: the runtime's default)")
+  if config.runtime == "sol":
+    from selforch_jax.runtime.sol_actions import parse_budget
+    try:
+      parse_budget(config.sol.budget)
+    except ValueError as e:
+      raise config_lib.ConfigError(f"sol.budget: {e}") from None
   if config.batch_size < 1 or config.page_size < 1 or config.budget < 1:
     raise config_lib.ConfigError("batch_size, page_size and budget must be >= 1")
   from selforch_jax.trace_render import FORMATS
@@ -182,6 +191,10 @@ def options(config: ml_collections.ConfigDict) -> dict:
     return {"budget": int(config.budget)}
   if rt == "orthrus":
     return {"block_size": int(config.orthrus.block_size)}
+  if rt == "sol":
+    from selforch_jax import api
+    return {"budget": str(config.sol.budget),
+            "policy": api.resolve_adapter(rt, config.adapter or None, config.model.preset)}
   if rt == "planned_diffusion":
     o = dict(config.planned_diffusion.to_dict())
     o["threshold"] = float(o["threshold"]) or None
