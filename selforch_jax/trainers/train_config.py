@@ -37,7 +37,7 @@ def defaults() -> ml_collections.ConfigDict:
       max_examples=placeholder(int), annotated_repeats=1, drop_remainder=True, num_threads=2,
       prefetch_buffer_size=16,
       annotated=False, annotator=placeholder(str), annotator_args=ml_collections.ConfigDict(),
-      strip_tags=False, async_sees_full_plan=False))
+      strip_tags=False, async_sees_full_plan=False, chunk_bidirectional=False))
   train = ml_collections.ConfigDict(dict(
       steps=100, log_every=1, eval_every=0, eval_batches=4, checkpoint_every=50, keep=3,
       async_checkpoint=True, train_embed_rows_from=-1, new_rows_lr_mult=1.0, seed=0))
@@ -50,14 +50,21 @@ def defaults() -> ml_collections.ConfigDict:
   orthrus = ml_collections.ConfigDict(dict(
       block_size=8, loss="kl", view_rank=16, sources="", max_new_tokens=128, gen_batch_size=16,
       adapter_out=""))
-  # trainer: "sft" / "orthrus" (this module's loop), "grpo" or "bonbon" (trainers/po_run.py)
+  # Planned Diffusion (trainers/planned_diffusion.py): t's lower end, upstream's AR/t flag, dense
+  # attention inside a round, the synthetic cities records written to the workdir (cities_n
+  # examples of seed cities_seed; 0 = data.path), upstream's ablations, where the adapter goes
+  planned_diffusion = ml_collections.ConfigDict(dict(
+      eps=1e-3, ar_over_t=False, full_attention=False, ar_only=False, no_topic=False,
+      no_sync=False, cities_n=2000, cities_seed=0, adapter_out=""))
+  # trainer: "sft" / "orthrus" / "planned_diffusion" (this module's loop), "grpo" or "bonbon"
+  # (trainers/po_run.py)
   return ml_collections.ConfigDict(dict(model=model, data=data, optim=optim_defaults(),
                                         train=train, mesh=mesh, trainer="sft",
                                         grpo=grpo_defaults(), bonbon=bonbon_defaults(),
-                                        orthrus=orthrus))
+                                        orthrus=orthrus, planned_diffusion=planned_diffusion))
 
 
-TRAINERS = ("sft", "grpo", "bonbon", "orthrus")
+TRAINERS = ("sft", "grpo", "bonbon", "orthrus", "planned_diffusion")
 
 
 def validate_po(config: ml_collections.ConfigDict) -> None:
