@@ -1,0 +1,87 @@
+r"""Planned Diffusion (issue 21; planned-diffusion/planned-diffusion, thesis_systems.md §3): one
+model (SmolLM2-135M-Instruct + LoRA + the tag rows, like the PASTA adapter) learns the AR plan
+(``<promise> CITY N </promise>`` per city, then ``<async>``) and the masked-diffusion chunks (one
+fixed-form sentence per city) of the synthetic cities task (:mod:`selforch_jax.data.
+synthetic_cities`, k = 2..6 cities, train seed 0; evaluation uses other seeds), with the joint loss
+(AR CE + (1/t) masked CE). Values marked ``# CPU`` are small-scale overrides (2 shared cores;
+upstream: Dream-7B, full fine-tune, 16 epochs of annotated SlimOrca on 4xH200).
+
+Run:
+  python -m selforch_jax.train --config=configs/planned_diffusion.py --workdir=out/pd
+  # the AR-SFT baseline (upstream --autoregressive_only): the same records, tags stripped
+  python -m selforch_jax.train --config=configs/planned_diffusion.py:ar_only --workdir=out/pd_ar
+  # ablations: generic topics, no <sync/>, dense attention inside a round
+  python -m selforch_jax.train --config=configs/planned_diffusion.py:no_topic --workdir=out/pd_nt
+  # decode with the adapter the run writes (<workdir>/adapter unless adapter_out is set):
+  python -m selforch_jax.decode --config=configs/smollm2_135m.py \
+      --config.runtime=planned_diffusion --config.adapter=out/pd/adapter --prompt="..."
+
+Argument: ``STAGE[,key=value,...]``; STAGE is ``pd`` (default), ``ar_only``, ``no_topic``,
+``no_sync`` or ``full_attention``. Keys: ``model`` (a preset; smollm2_135m loads the GGUF
+weights, others are random with the SmolLM2 tokenizer), ``steps``, ``seq_len``, ``batch_size``,
+``lora_rank``, ``n`` (training examples), ``lr``, ``ar_over_t`` (upstream's AR/t), ``adapter_out``.
+"""
+
+from selforch_jax import config_lib
+from selforch_jax.trainers.run import defaults
+
+STAGES = ("pd", "ar_only", "no_topic", "no_sync", "full_attention")
+BASE_VOCAB = 49152  # SmolLM2 tokenizer size: tag rows start here
+
+
+def get_config(arg=None):
+  stage, rest = config_lib.split_stage(arg, STAGES, "configs/planned_diffusion.py")
+  a = config_lib.parse_arg(rest, model="smollm2_135m", steps=120, seq_len=512, batch_size=4,
+                           lora_rank=8, n=2000, lr=4e-4, ar_over_t=False, adapter_out="")
+  if a.lora_rank < 1 or a.steps < 1 or a.n < 1:
+    raise config_lib.ConfigError("configs/planned_diffusion.py: lora_rank, steps and n must be "
+                                 ">= 1")
+  c = defaults()
+  c.trainer = "planned_diffusion"
+  c.model.preset = a.model
+  if a.model == "smollm2_135m":
+    c.model.weights = "smollm2_gguf"
+  else:
+    c.model.weights, c.model.tokenizer = "random", "smollm2_gguf"
+  c.model.tags = True
+  c.model.lora_rank = a.lora_rank           # CPU: LoRA (upstream: full fine-tune)
+  c.model.lora_alpha = 2.0 * a.lora_rank
+  c.model.remat = True                      # CPU memory
+  c.train.train_embed_rows_from = BASE_VOCAB  # the new tag rows train too
+  c.train.new_rows_lr_mult = 25.0           # as PASTA SFT: mean-initialised rows must move
+
+  p = c.planned_diffusion
+  p.ar_only = stage == "ar_only"
+  p.no_topic = stage == "no_topic"
+  p.no_sync = stage == "no_sync"
+  p.full_attention = stage == "full_attention"
+  p.ar_over_t = bool(a.ar_over_t)
+  p.cities_n = a.n                          # CPU: 2000 examples (seed 0)
+  p.cities_seed = 0
+  p.adapter_out = a.adapter_out
+
+  c.data.name = "chat"
+  c.data.annotated = True
+  c.data.packing = False
+  c.data.strip_tags = p.ar_only
+  c.data.async_sees_full_plan = not p.ar_only   # the Planned Diffusion layout
+  c.data.chunk_bidirectional = not p.ar_only
+  c.data.seq_len = a.seq_len                # k = 6 answers fit in 512 tokens
+  c.data.batch_size = a.batch_size
+  c.data.num_epochs = None                  # repeat; the run length is train.steps
+  c.data.eval_fraction = 0.02
+  c.data.shuffle_seed = 0
+  c.data.num_threads = 1
+
+  c.train.steps = a.steps                   # CPU
+  c.train.seed = 0
+  c.train.log_every = 1
+  c.train.eval_every = max(a.steps // 3, 1)
+  c.train.eval_batches = 2
+  c.train.checkpoint_every = max(a.steps // 4, 1)
+  c.train.keep = 2
+  c.optim.lr = a.lr
+  c.optim.warmup_steps = 5
+  c.optim.schedule = "cosine"
+  c.optim.clip_norm = 1.0
+  return c

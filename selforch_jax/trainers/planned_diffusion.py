@@ -1,0 +1,152 @@
+"""The Planned Diffusion trainer (issue 21; planned-diffusion ``train/sft_trainer.py``): one model
+learns the AR plan and the masked-diffusion chunks with the joint loss of
+:mod:`selforch_jax.trainers.planned_diffusion_loss`.
+
+Rows are the annotated rows of :mod:`selforch_jax.data.annotated` built with the Planned
+Diffusion layout (``async_sees_full_plan=True, chunk_bidirectional=True``: the mask the scheduler
+decodes with). On the host (:func:`pd_row_masks`) each row's positions are classed:
+
+* chunk content (between ``<async>`` and ``</async>``, ``[PAD]`` included): replaced by
+  ``<|mask|>`` with probability t inside the step (:func:`noise_chunks`, t ~ U(eps, 1) per row);
+  row j-1 predicts chunk token j (the Dream shift, as the runtime reads it); only masked
+  targets carry the (1/t)-weighted diffusion CE;
+* AR rows: the trained assistant rows outside chunks (plan, control tags, ``<sync/>``, what
+  follows), i.e. ``loss_mask`` without the rows inside a chunk (upstream: ``</async>`` and the
+  chunk rows carry no AR label) and without the row after ``</async>`` (the runtime writes that
+  token);
+* prompt rows: no loss.
+
+``full_attention`` (upstream's dense-attention ablation): the chunks of a round see each other
+too (:func:`dense_round_mask`; the scheduler's ``full_attention`` option decodes the same way).
+The noise draw of a step comes from ``(seed, step)`` (a resumed run draws the same).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from selforch_jax.lang.tags import TagVocab
+from selforch_jax.trainers.planned_diffusion_loss import joint_loss, noise_chunks
+from selforch_jax.trainers.sft import SFTTrainer
+
+__all__ = ["PlannedDiffusionTrainer", "pd_row_masks", "dense_round_mask", "PD_BATCH_KEYS"]
+
+PD_BATCH_KEYS = ("tokens", "targets", "positions", "mask", "ar_mask", "chunk_input", "noise_key")
+
+
+def pd_row_masks(tokens: np.ndarray, targets: np.ndarray, loss_mask: np.ndarray,
+                 tv: TagVocab) -> dict[str, np.ndarray]:
+  """Host-side classes of annotated rows (module docstring).
+
+  Args:
+    tokens, targets, loss_mask: int ``[B, T]`` annotated rows (``targets[t] = tokens[t+1]``).
+    tv: the tag vocab.
+
+  Returns:
+    ``{"chunk_input": bool [B, T]`` (input positions holding chunk content), ``"ar_mask": bool
+    [B, T]`` (AR loss rows)}``.
+  """
+  tokens, targets = np.asarray(tokens), np.asarray(targets)
+  lm = np.asarray(loss_mask).astype(bool)
+  opens = np.cumsum(tokens == tv.async_open, axis=1)
+  closes = np.cumsum(tokens == tv.async_close, axis=1)
+  inside = (opens - closes) > 0                                   # after <async>, to </async>
+  chunk_input = inside & (tokens != tv.async_open)
+  ar = lm & ~inside & (tokens != tv.async_close)
+  return {"chunk_input": chunk_input, "ar_mask": ar}
+
+
+def dense_round_mask(tokens: np.ndarray, mask: np.ndarray, tv: TagVocab) -> np.ndarray:
+  """``mask`` (bool ``[B, T, T]``) with every chunk of a round (``<async>``..``</async>``, tags
+  included) seeing every other chunk of the same round (rounds end at ``<sync/>``)."""
+  tokens = np.asarray(tokens)
+  opens = np.cumsum(tokens == tv.async_open, axis=1)
+  closes = np.cumsum(tokens == tv.async_close, axis=1)
+  in_chunk = ((opens - closes) > 0) | (tokens == tv.async_close)
+  rnd = np.cumsum(tokens == tv.sync, axis=1)
+  dense = (in_chunk[:, :, None] & in_chunk[:, None, :]
+           & (rnd[:, :, None] == rnd[:, None, :]))
+  return np.asarray(mask, bool) | dense
+
+
+class PlannedDiffusionTrainer(SFTTrainer):
+  """:class:`SFTTrainer` with the Planned Diffusion joint loss (module docstring).
+
+  Args:
+    model, mesh, optim, total_steps, lora, train_embed_rows_from, new_rows_lr_mult, rules: as
+      :class:`SFTTrainer`.
+    tag_vocab: the model's tags. eps: t's lower end. ar_over_t: upstream's AR/t (default off,
+      the paper's formula). full_attention: chunks of a round see each other. seed: noise.
+
+  Batches: annotated rows (``tokens, targets, loss_mask, positions, mask``); :meth:`put_batch`
+  adds ``ar_mask``, ``chunk_input`` and ``noise_key``.
+
+  Raises:
+    ValueError: as :class:`SFTTrainer`; eps outside (0, 1).
+  """
+
+  def __init__(self, model, mesh, optim, total_steps: int, *, tag_vocab: TagVocab,
+               eps: float = 1e-3, ar_over_t: bool = False, full_attention: bool = False,
+               seed: int = 0, **kw):
+    if not 0.0 < eps < 1.0:
+      raise ValueError(f"eps must be in (0, 1), got {eps}")
+    self.tv, self.eps, self.ar_over_t = tag_vocab, float(eps), bool(ar_over_t)
+    self.full_attention, self.seed = bool(full_attention), int(seed)
+    super().__init__(model, mesh, optim, total_steps, masked=True, batch_keys=PD_BATCH_KEYS, **kw)
+
+  def terms(self, params, frozen, batch) -> dict[str, jax.Array]:
+    """Sums over the batch: ``loss_sum`` (the joint loss times its normaliser), ``tokens``,
+    ``ar_sum`` / ``ar_n`` (AR CE), ``diff_sum`` / ``diff_n`` (CE on masked chunk targets)."""
+    model = nnx.merge(self.graphdef, params, frozen)
+    key = jax.random.wrap_key_data(batch["noise_key"][0])
+    chunk_in = batch["chunk_input"].astype(bool)
+    noisy, masked_in, t = noise_chunks(key, batch["tokens"], chunk_in, self.tv.mask, self.eps)
+    logits, _ = model(noisy, batch["positions"], batch["mask"])
+    pad = jnp.zeros_like(chunk_in[:, :1])
+    chunk_tgt = jnp.concatenate([chunk_in[:, 1:], pad], axis=1)     # row t predicts token t+1
+    masked = jnp.concatenate([masked_in[:, 1:], pad], axis=1) & chunk_tgt
+    ar = batch["ar_mask"].astype(bool)
+    loss, m = joint_loss(logits, batch["targets"], ar, masked, chunk_tgt, t, self.ar_over_t)
+    n_ar = jnp.sum(ar.astype(jnp.float32))
+    n_diff = jnp.sum(masked.astype(jnp.float32))
+    return {"loss_sum": loss * m["tokens"], "tokens": m["tokens"], "ar_sum": m["ar_ce"] * n_ar,
+            "ar_n": n_ar, "diff_sum": m["diff_ce"] * n_diff, "diff_n": n_diff}
+
+  def loss_terms(self, params, frozen, batch):
+    t = self.terms(params, frozen, batch)
+    return t["loss_sum"], t["tokens"]
+
+  def _eval_step(self, params, frozen, batch):
+    return self.terms(params, frozen, batch)
+
+  def put_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Annotated rows -> the trainer's batch (host classes, dense rounds, the step's key)."""
+    b = dict(batch)
+    if "ar_mask" not in b:
+      b.update(pd_row_masks(b["tokens"], b["targets"], b["loss_mask"], self.tv))
+    if self.full_attention:
+      b["mask"] = dense_round_mask(b["tokens"], b["mask"], self.tv)
+    if "noise_key" not in b:
+      key = jax.random.key_data(jax.random.fold_in(jax.random.PRNGKey(self.seed), self.step))
+      Bt = np.asarray(b["tokens"]).shape[0]
+      b["noise_key"] = np.tile(np.asarray(key, np.uint32)[None], (Bt, 1))
+    b["ar_mask"] = np.asarray(b["ar_mask"], np.int32)
+    b["chunk_input"] = np.asarray(b["chunk_input"], np.int32)
+    return super().put_batch(b)
+
+  def eval_loss(self, batches) -> dict[str, float]:
+    """``eval_loss`` (joint, per loss token), ``eval_ar_ce``, ``eval_diff_ce`` over the batches."""
+    tot: dict[str, float] = {}
+    for b in batches:
+      m = jax.device_get(self._eval(self.params, self.frozen, self.put_batch(b)))
+      for k, v in m.items():
+        tot[k] = tot.get(k, 0.0) + float(v)
+    return {"eval_loss": tot.get("loss_sum", 0.0) / max(tot.get("tokens", 0.0), 1.0),
+            "eval_ar_ce": tot.get("ar_sum", 0.0) / max(tot.get("ar_n", 0.0), 1.0),
+            "eval_diff_ce": tot.get("diff_sum", 0.0) / max(tot.get("diff_n", 0.0), 1.0),
+            "eval_tokens": tot.get("tokens", 0.0)}

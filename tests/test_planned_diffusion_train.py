@@ -1,0 +1,87 @@
+"""Planned Diffusion trainer (issue 21) on the tiny random SmolLM2: the row classes of an
+annotated cities row, the cities records (padding, ablations), the joint loss falling, and the
+end-to-end run (Orbax resume, metrics, adapter export) whose adapter decodes through the API."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from selforch_jax import config_lib
+from selforch_jax.api import load_config_file
+from selforch_jax.data.planned_diffusion_data import cities_records
+from selforch_jax.lang.tags import ASYNC_CLOSE, PAD, SYNC, TagVocab
+from selforch_jax.trainers.planned_diffusion import dense_round_mask, pd_row_masks
+
+TV = TagVocab.appended(100, 0, digit_ids=range(48, 58))
+
+
+def test_row_classes_and_dense_rounds():
+  o, c, s, m, pad = TV.async_open, TV.async_close, TV.sync, TV.mask, TV.pad
+  P, Q = TV.promise_open, TV.promise_close
+  #        prompt   plan            chunk 0        chunk 1      sync  text
+  toks = [[5, 6, P, 7, 49, Q, o, 8, 9, pad, c, o, 10, c, s, 11, 12]]
+  tgts = [toks[0][1:] + [0]]
+  lm = [[0, 1] + [1] * 15]
+  lm[0][10] = lm[0][13] = 0                  # annotated rows: no target after </async>
+  r = pd_row_masks(np.array(toks), np.array(tgts), np.array(lm), TV)
+  chunk = [0] * 7 + [1, 1, 1, 0, 0, 1, 0, 0, 0, 0]
+  assert r["chunk_input"][0].astype(int).tolist() == chunk
+  ar = [0, 1, 1, 1, 1, 1] + [0] * 8 + [1, 1, 1]
+  assert r["ar_mask"][0].astype(int).tolist() == ar
+  mask = np.tril(np.ones((1, 17, 17), bool))
+  dense = dense_round_mask(np.array(toks), mask, TV)[0]
+  assert dense[7, 12] and dense[12, 7] and dense[6, 13] and not dense[5, 7] and not dense[15, 16]
+
+
+def test_cities_records():
+  count = lambda text: len(text.split())   # noqa: E731
+  rows = cities_records(20, 3, count)
+  for r in rows:
+    text = r["messages"][1]["content"]
+    assert text.endswith(SYNC) and r["annotated"]
+    k = len(r["cities"])
+    assert text.count(ASYNC_CLOSE) == k
+    pads = [seg.count(PAD) for seg in text.split(ASYNC_CLOSE)[:-1]]
+    assert all(0 <= p <= 10 for p in pads)
+  assert len({tuple(seg.count(PAD) for seg in r["messages"][1]["content"].split(ASYNC_CLOSE))
+              for r in rows}) > 1
+  nt = cities_records(20, 3, count, no_topic=True, no_sync=True)
+  assert "<promise> topic 1 " in nt[0]["messages"][1]["content"]
+  assert all(SYNC not in r["messages"][1]["content"] for r in nt)
+  assert rows[0]["messages"][0] == nt[0]["messages"][0]
+
+
+def test_run_loss_falls_resume_and_adapter(tmp_path):
+  from selforch_jax import api
+  from selforch_jax.adapter import load_adapter
+  from selforch_jax.trainers.run import train
+  arg = "model=tiny_smollm2,steps=6,seq_len=384,batch_size=2,n=24,lr=3e-3"
+  c = load_config_file("configs/planned_diffusion.py", arg)
+  c.train.async_checkpoint = False
+  c.train.checkpoint_every = 3
+  c.train.eval_every = 6
+  c.data.eval_fraction = 0.25
+  out = train(c, str(tmp_path / "run"), stop_at=3)
+  assert out["step"] == 3
+  out = train(c, str(tmp_path / "run"))           # resumes at 3, writes the adapter
+  assert out["step"] == 6 and os.path.isdir(out["adapter"])
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    rows = [json.loads(x) for x in f]
+  train_rows = [r for r in rows if "loss" in r]
+  assert [r["step"] for r in train_rows] == list(range(1, 7))
+  ev = [r for r in rows if "eval_loss" in r]
+  assert ev[-1]["eval_loss"] < ev[0]["eval_loss"]            # step 0 vs step 6, same eval rows
+  assert ev[-1]["eval_diff_ce"] < ev[0]["eval_diff_ce"] and ev[-1]["eval_ar_ce"] > 0
+  model, tok = load_adapter(out["adapter"])
+  p = tok.encode_chat([{"role": "user", "content": "Describe each city. Velora: country "
+                        "Marand, river Tesk, founded 1412, population 38200."}],
+                      add_generation_prompt=True)
+  a, = api.decode_ids(model, tok, [p], runtime="planned_diffusion", max_new_tokens=16,
+                      tag_vocab=TagVocab.from_tokenizer(tok))
+  assert a.forwards >= 1 and "critical_path" in a.figures
+  with pytest.raises(config_lib.ConfigError, match="strip_tags"):
+    c2 = load_config_file("configs/planned_diffusion.py", arg)
+    c2.data.strip_tags = True
+    train(c2, str(tmp_path / "bad"))
