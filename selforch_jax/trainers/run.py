@@ -38,6 +38,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   if config.trainer == "orthrus":
     from selforch_jax.trainers.orthrus_run import validate_orthrus
     validate_orthrus(config)
+  if config.trainer == "planned_diffusion":
+    from selforch_jax.trainers.planned_diffusion_run import validate_pd
+    validate_pd(config)
   from selforch_jax.data.sources import DATASETS
   try:
     DataConfig.from_any(config.data)
@@ -169,6 +172,9 @@ def build(config, workdir: str):
   if config.trainer == "orthrus":
     from selforch_jax.trainers.orthrus_run import build_orthrus
     return build_orthrus(config, workdir)
+  if config.trainer == "planned_diffusion":
+    from selforch_jax.trainers.planned_diffusion_run import build_pd
+    return build_pd(config, workdir)
   mc = config.model
   cfg, model, tok = config_lib.load_model(mc)
   if tok is None:
@@ -330,6 +336,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, stop_at: int | None =
   if config.trainer == "orthrus" and is_main:
     from selforch_jax.trainers.orthrus_run import export_orthrus
     summary["adapter"] = export_orthrus(config, trainer, tok, workdir)
+  if config.trainer == "planned_diffusion" and is_main and config.model.lora_rank:
+    from selforch_jax.trainers.planned_diffusion_run import export_pd
+    summary["adapter"] = export_pd(config, workdir)
   return summary
 
 
