@@ -14,7 +14,8 @@ TensorBoard event files in ``<workdir>/tb``.
 
 ``config.trainer`` picks the run: ``"sft"`` (default), ``"grpo"`` or ``"bonbon"`` (policy
 optimization, :mod:`selforch_jax.trainers.po_run`; settings in ``config.grpo`` /
-``config.bonbon``).
+``config.bonbon``), or ``"sol"`` (SOL's compute policy, :mod:`selforch_jax.trainers.sol_run`;
+``configs/sol.py``).
 
 Multi-host: ``--distributed`` calls ``jax.distributed.initialize()`` (TPU pods detect
 everything); on CPU/GPU clusters pass ``--coordinator_address``, ``--num_processes`` and
@@ -63,6 +64,9 @@ def main(argv):
     if _CONFIG.value.get("trainer", "sft") in ("grpo", "bonbon"):
       from selforch_jax.trainers.po_run import train_po
       summary = train_po(_CONFIG.value, _WORKDIR.value)
+    elif _CONFIG.value.get("trainer", "sft") == "sol":   # the compute policy (sol_run.py)
+      from selforch_jax.trainers.sol_run import train_sol
+      summary = train_sol(_CONFIG.value, _WORKDIR.value)
     else:
       summary = train(_CONFIG.value, _WORKDIR.value)
   except config_lib.ConfigError as e:
