@@ -28,6 +28,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
   from selforch_jax import sharding as shd
   from selforch_jax.data.pipeline import DataConfig
 
+  if config.get("trainer") == "sol":   # SOL's compute policy: its own schema and loop
+    from selforch_jax.trainers.sol_run import validate as validate_sol
+    validate_sol(config)
+    return
   config_lib.validate(config, defaults())
   config_lib.validate_model(config.model)
   if config.trainer not in TRAINERS:
