@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from selforch_jax.lang import Promise, Round, TagVocab, assemble, batch_layouts, serialize
-from selforch_jax.lang.planned_diffusion import planned_diffusion_layout
+from selforch_jax.lang.planned_diffusion import dense_round_mask, planned_diffusion_layout
 from selforch_jax.models.config import get_preset
 from selforch_jax.models.transformer import init_model
 from selforch_jax.runtime import schedulers
@@ -52,17 +52,21 @@ def _plan_prompt(prefix, lengths):
 PROMPTS = [_plan_prompt([70, 71, 72], (1, 3, 2)), _plan_prompt([90, 91, 92, 93, 94], (2, 1))]
 
 
-def _full(fwd, state, seq):
+def _full(fwd, state, seq, full_attention=False):
   lay = planned_diffusion_layout(np.asarray(seq), TV, eos_ids=(), length_unit=UNIT)
   b = batch_layouts([lay], PAD_TO)
-  return np.asarray(fwd(state, b["tokens"], b["positions"], b["mask"]))[0, :lay.num_tokens]
+  mask = b["mask"]
+  if full_attention:     # the trainer's dense rounds
+    mask = dense_round_mask(b["tokens"], mask, TV) & b["valid"][:, None, :]
+  return np.asarray(fwd(state, b["tokens"], b["positions"], mask))[0, :lay.num_tokens]
 
 
-def test_train_equals_decode_every_step(tiny):
+@pytest.mark.parametrize("full_attention", [False, True])
+def test_train_equals_decode_every_step(tiny, full_attention):
   model, state, fwd = tiny
   engine = Engine(model, num_pages=128, page_size=4)
   s = pd.PlannedDiffusionScheduler(PROMPTS, TV, 60, stop_ids=[EOS], length_unit=UNIT,
-                                   vocab_size=V)
+                                   vocab_size=V, full_attention=full_attention)
   kinds = collections.Counter()
   while (plan := s.next_step()) is not None:
     seqs = [s.sequence(i) for i in range(len(PROMPTS))]   # the state this step runs on
@@ -75,7 +79,7 @@ def test_train_equals_decode_every_step(tiny):
       rows = [t for t, (ri, _) in enumerate(queries) if ri == i]
       if not rows:
         continue
-      full = _full(fwd, state, seqs[i])
+      full = _full(fwd, state, seqs[i], full_attention)
       idx = [queries[t][1] for t in rows]
       np.testing.assert_allclose(got[rows], full[idx], atol=1e-5, rtol=1e-5)
       checked += len(rows)

@@ -12,7 +12,8 @@ from selforch_jax import config_lib
 from selforch_jax.api import load_config_file
 from selforch_jax.data.planned_diffusion_data import cities_records
 from selforch_jax.lang.tags import ASYNC_CLOSE, PAD, SYNC, TagVocab
-from selforch_jax.trainers.planned_diffusion import dense_round_mask, pd_row_masks
+from selforch_jax.lang.planned_diffusion import dense_round_mask
+from selforch_jax.trainers.planned_diffusion import pd_row_masks
 
 TV = TagVocab.appended(100, 0, digit_ids=range(48, 58))
 

@@ -8,9 +8,9 @@ strings in our tag names (upstream ``<promise>-<topic>`` / ``</topic>`` are our 
 import numpy as np
 
 from selforch_jax.lang.mask import build_layout
-from selforch_jax.lang.tags import ASYNC_CLOSE, ASYNC_OPEN, SYNC
+from selforch_jax.lang.tags import ASYNC_CLOSE, ASYNC_OPEN, SYNC, TagVocab
 
-__all__ = ["upstream_mask", "planned_diffusion_layout"]
+__all__ = ["upstream_mask", "planned_diffusion_layout", "dense_round_mask"]
 
 
 def planned_diffusion_layout(token_ids, tag_vocab, **kwargs):
@@ -95,3 +95,26 @@ def upstream_mask(tokens, variant="v2"):
     mask[np.ix_(hidden_rows, np.arange(start, end + 1))] = False
     mask[start:end + 1, start:end + 1] = True
   return mask, ar_mask
+
+
+def dense_round_mask(tokens: np.ndarray, mask: np.ndarray, tv: TagVocab) -> np.ndarray:
+  """Upstream's dense-attention ablation ("full attention", v3's merged blocks, for a round):
+  ``mask`` with every chunk of a round (``<async>``..``</async>``, tags included) seeing every
+  other chunk of the same round (rounds end at ``<sync/>``).
+
+  Args:
+    tokens: int ``[B, T]`` token ids (training rows' inputs, or whole sequences).
+    mask: bool ``[B, T, T]`` query x key (e.g. :func:`planned_diffusion_layout`'s).
+    tv: the tag vocab.
+
+  Returns:
+    bool ``[B, T, T]``.
+  """
+  tokens = np.asarray(tokens)
+  opens = np.cumsum(tokens == tv.async_open, axis=1)
+  closes = np.cumsum(tokens == tv.async_close, axis=1)
+  in_chunk = ((opens - closes) > 0) | (tokens == tv.async_close)
+  rnd = np.cumsum(tokens == tv.sync, axis=1)
+  dense = (in_chunk[:, :, None] & in_chunk[:, None, :]
+           & (rnd[:, :, None] == rnd[:, None, :]))
+  return np.asarray(mask, bool) | dense

@@ -17,7 +17,8 @@ decodes with). On the host (:func:`pd_row_masks`) each row's positions are class
 * prompt rows: no loss.
 
 ``full_attention`` (upstream's dense-attention ablation): the chunks of a round see each other
-too (:func:`dense_round_mask`; the scheduler's ``full_attention`` option decodes the same way).
+too (:func:`~selforch_jax.lang.planned_diffusion.dense_round_mask`; the scheduler's
+``full_attention`` option decodes the same way).
 The noise draw of a step comes from ``(seed, step)`` (a resumed run draws the same).
 """
 
@@ -30,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from selforch_jax.lang.planned_diffusion import dense_round_mask
 from selforch_jax.lang.tags import TagVocab
 from selforch_jax.trainers.planned_diffusion_loss import joint_loss, noise_chunks
 from selforch_jax.trainers.sft import SFTTrainer
 
-__all__ = ["PlannedDiffusionTrainer", "pd_row_masks", "dense_round_mask", "PD_BATCH_KEYS"]
+__all__ = ["PlannedDiffusionTrainer", "pd_row_masks", "PD_BATCH_KEYS"]
 
 PD_BATCH_KEYS = ("tokens", "targets", "positions", "mask", "ar_mask", "chunk_input", "noise_key")
 
@@ -59,19 +61,6 @@ def pd_row_masks(tokens: np.ndarray, targets: np.ndarray, loss_mask: np.ndarray,
   chunk_input = inside & (tokens != tv.async_open)
   ar = lm & ~inside & (tokens != tv.async_close)
   return {"chunk_input": chunk_input, "ar_mask": ar}
-
-
-def dense_round_mask(tokens: np.ndarray, mask: np.ndarray, tv: TagVocab) -> np.ndarray:
-  """``mask`` (bool ``[B, T, T]``) with every chunk of a round (``<async>``..``</async>``, tags
-  included) seeing every other chunk of the same round (rounds end at ``<sync/>``)."""
-  tokens = np.asarray(tokens)
-  opens = np.cumsum(tokens == tv.async_open, axis=1)
-  closes = np.cumsum(tokens == tv.async_close, axis=1)
-  in_chunk = ((opens - closes) > 0) | (tokens == tv.async_close)
-  rnd = np.cumsum(tokens == tv.sync, axis=1)
-  dense = (in_chunk[:, :, None] & in_chunk[:, None, :]
-           & (rnd[:, :, None] == rnd[:, None, :]))
-  return np.asarray(mask, bool) | dense
 
 
 class PlannedDiffusionTrainer(SFTTrainer):

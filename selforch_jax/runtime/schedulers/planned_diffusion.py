@@ -31,8 +31,8 @@ every token):
 Guards (nothing crashes, no generated text is lost): at most ``max_promises`` promises per round
 (the ``max_promises``-th ``</promise>`` ends the plan), at most ``max_rounds`` rounds (then
 ``<promise>`` / ``<async>`` are banned and decoding is plain AR; ``<|mask|>`` and ``[PAD]``, the
-runtime's fillers, are never sampled by the AR planner), a plan of more than
-``plan_cap`` tokens is ended (an open promise is closed first), a promise closed without a length
+runtime's fillers, and the TIP register tags are never sampled by the AR planner), a plan of
+more than ``plan_cap`` tokens is ended (an open promise is closed first), a promise closed without a length
 gets ``default_length`` (the runtime writes its digits before ``</promise>``), a length above
 ``max_length`` is scaffolded with ``10*max_length`` masks, and the scaffold is shrunk to fit
 ``max_new_tokens`` (a round that cannot fit one mask per chunk ends the request, ``"length"``).
@@ -187,6 +187,9 @@ class PlannedDiffusionScheduler(Scheduler):
     confidence: "entropy", "margin" or "prob".
     threshold: None, or Fast-dLLM's probability threshold in (0, 1].
     max_promises, max_rounds, plan_cap, default_length, max_length: the guards (>= 1).
+    full_attention: the chunks of a round see each other (upstream's dense-attention ablation;
+      the trainer's ``planned_diffusion.full_attention``,
+      :func:`selforch_jax.lang.planned_diffusion.dense_round_mask`).
     cap, length_unit: parser settings (10 tokens per promise unit).
     owner_base / segment_base: first owner / segment id this job uses.
 
@@ -209,7 +212,7 @@ class PlannedDiffusionScheduler(Scheduler):
                default_length: int = DEFAULTS["default_length"],
                max_length: int = DEFAULTS["max_length"], cap: int | None = DEFAULT_CAP,
                length_unit: int = TOKENS_PER_UNIT, owner_base: int = 0, segment_base: int = 0,
-               vocab_size: int | None = None):
+               vocab_size: int | None = None, full_attention: bool = False):
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("PlannedDiffusionScheduler needs at least one prompt, none empty")
     if max_new_tokens < 1:
@@ -240,6 +243,7 @@ class PlannedDiffusionScheduler(Scheduler):
     self.max_promises, self.max_rounds = int(max_promises), int(max_rounds)
     self.plan_cap, self.max_length = int(plan_cap), int(max_length)
     self.length_unit = int(length_unit)
+    self.full_attention = bool(full_attention)
     digits = str(int(default_length))
     self.default_len = ([tv.space_ids[0]] if tv.space_ids else []) + \
         [tv.digit_ids[int(c)] for c in digits]
@@ -252,7 +256,7 @@ class PlannedDiffusionScheduler(Scheduler):
       if t < V:
         allowed[t] = False
     self.allowed = allowed
-    self._gram_ids = [tv.promise_open, tv.async_open, tv.mask, tv.pad]
+    self._gram_ids = [tv.promise_open, tv.async_open, tv.mask, tv.pad, *tv.registers]
     self.key = jax.random.PRNGKey(sampling.seed)
     self.sample_step = 0
     self.reqs = [_Req(p, tv, cap, length_unit) for p in prompts]
@@ -408,7 +412,8 @@ class PlannedDiffusionScheduler(Scheduler):
       starts = [ri for ri in rows if self.reqs[ri].then_round is not None]
       pending = [(ri, j) for ri, j in info if self._wants_sample(self.reqs[ri])]
       if pending:
-        ban = [[self.reqs[ri].rounds >= self.max_rounds] * 2 + [True, True] for ri, _ in pending]
+        fixed = [True] * (len(self._gram_ids) - 2)
+        ban = [[self.reqs[ri].rounds >= self.max_rounds] * 2 + fixed for ri, _ in pending]
         toks, lps = sample_rows(result.logits, [j for _, j in pending], self.key,
                                 self.sample_step, self.sampling,
                                 (self._gram_ids, ban, [False] * len(pending)))
@@ -514,6 +519,9 @@ class PlannedDiffusionScheduler(Scheduler):
       self._feed(r, tv.async_close, chunk=True)
       r.chunks.append(_Chunk(start, n, np.full(n, tv.mask, np.int64), np.ones(n, bool)))
     r.n_chunks += k
+    if self.full_attention:      # one dense region: every chunk of the round sees the others
+      segs = [r.seg_map[r.builder.segment_of(ch.start)] for ch in r.chunks]
+      self._visible[np.ix_(segs, segs)] = True
     r.steps = max(1, int(self.steps_ratio * max(lengths)))
     r.step_i = 0
     r.phase = "denoise"
