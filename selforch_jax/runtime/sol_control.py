@@ -86,6 +86,7 @@ class BudgetController:
     self.key = jax.random.PRNGKey(seed)
     self.h_prev = jnp.zeros((N, pc.lm_dim), jnp.float32)
     self.log: list[dict] = []
+    self.history: list[np.ndarray] = []   # the actions of every step, int [N] each
     self._pending = None
 
   def set_hidden(self, rows, hidden) -> None:
@@ -132,6 +133,7 @@ class BudgetController:
       self.log.append(dict(h_prev=np.asarray(self.h_prev), emb=np.asarray(emb), scalars=sc,
                            prev_action=self.prev_action.copy(), action=a, logp=lp, eff=eff))
     self._pending = (a, eff)
+    self.history.append(a)
     return a
 
   def observe(self, rows, usage) -> None:
@@ -183,6 +185,7 @@ class ScheduleActor:
     self.nominal_sum = np.zeros((N, 3))
     self.eff_steps = np.zeros(N, np.int64)
     self.prev_action = np.full(N, grid.num_actions, np.int32)
+    self.history: list[np.ndarray] = []
     self._pending = None
 
   def set_hidden(self, rows, hidden) -> None:
@@ -194,6 +197,7 @@ class ScheduleActor:
         np.full(self.actions.shape[0], self.grid.dense_idx)
     a = np.where(eff, col, self.grid.dense_idx).astype(np.int32)
     self._pending = (a, eff)
+    self.history.append(a)
     return a
 
   observe = BudgetController.observe
