@@ -4,7 +4,8 @@ and per answer, critical path and wall-clock, with bootstrap 95% CIs and n.
 Evaluation examples: :func:`selforch_jax.data.synthetic_cities.generate_split` with ``--seed``
 (default 1000; the training records use seed 0), k = 2..6 cities. Every system decodes the same
 chat prompts one at a time (batch 1), greedy, on one engine per system (one pool size, so compiled
-steps are reused), after ``--warmup`` untimed answers of other examples:
+steps are reused), after ``--warmup`` untimed answers of other examples; the systems alternate per
+example, so both see the same machine load:
 
 * ``pd``: the Planned Diffusion adapter (``--pd_adapter``) with the planned_diffusion runtime
   (``--steps_ratio``, ``--confidence``); its de-tagged logical text is scored;
@@ -37,6 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import loadavg, machine_info  # noqa: E402
 
+PROMPT_TOKENS = 320   # longest cities prompt (k = 6) in chat form, with room to spare
+
 
 def _ratio_ci(num: np.ndarray, den: np.ndarray, n_boot: int, seed: int) -> dict:
   """Paired percentile bootstrap of ``mean(num) / mean(den)``."""
@@ -47,62 +50,60 @@ def _ratio_ci(num: np.ndarray, den: np.ndarray, n_boot: int, seed: int) -> dict:
               hi=float(np.quantile(r, 0.975)), n=int(num.size))
 
 
-def decode_system(system: str, adapter: str, examples: list, warm: list, args) -> list[dict]:
-  """Decode every example's prompt with one system; returns one record per example."""
-  from selforch_jax.adapter import load_adapter
-  from selforch_jax.data.synthetic_cities import score_answer
-  from selforch_jax.lang import TagVocab
-  from selforch_jax.runtime.build import make_engine
-  from selforch_jax.runtime.generation import eos_ids
-  from selforch_jax.runtime.sampling import SamplingParams
-  from selforch_jax.runtime.scheduler import run
-  from selforch_jax.runtime.schedulers import make_scheduler
+class System:
+  """One system's model, engine and scheduler options; :meth:`decode` answers one example."""
 
-  model, tok = load_adapter(adapter)
-  tv = TagVocab.from_tokenizer(tok)
-  stops = eos_ids(tok)
-  prompts = [tok.encode_chat([{"role": "user", "content": ex["prompt"]}],
-                             add_generation_prompt=True) for ex in warm + examples]
-  runtime = "planned_diffusion" if system == "pd" else "ar"
-  if runtime == "ar":
-    engine = make_engine(model, [max(map(len, prompts))], args.max_new_tokens)
-  else:
-    engine = make_engine(model, [max(map(len, prompts))], args.max_new_tokens, threads=2,
-                         extra_tokens=args.max_new_tokens + 16)
-  kw = dict(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(), stop_ids=stops)
-  if runtime == "planned_diffusion":
-    kw.update(tag_vocab=tv, steps_ratio=args.steps_ratio, confidence=args.confidence)
-  recs = []
-  for j, (ex, ids) in enumerate(zip(warm + examples, prompts)):
-    sched = make_scheduler(runtime, engine, [ids], **kw)
+  def __init__(self, name: str, adapter: str, prompt_len: int, args):
+    from selforch_jax.adapter import load_adapter
+    from selforch_jax.lang import TagVocab
+    from selforch_jax.runtime.build import make_engine
+    from selforch_jax.runtime.generation import eos_ids
+    from selforch_jax.runtime.sampling import SamplingParams
+
+    self.name = name
+    self.model, self.tok = load_adapter(adapter)
+    self.runtime = "planned_diffusion" if name == "pd" else "ar"
+    extra = dict(threads=2, extra_tokens=args.max_new_tokens + 16) if name == "pd" else {}
+    self.engine = make_engine(self.model, [prompt_len], args.max_new_tokens, **extra)
+    self.kw = dict(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(),
+                   stop_ids=eos_ids(self.tok))
+    if name == "pd":
+      self.kw.update(tag_vocab=TagVocab.from_tokenizer(self.tok), steps_ratio=args.steps_ratio,
+                     confidence=args.confidence)
+
+  def prompt(self, ex) -> list[int]:
+    return self.tok.encode_chat([{"role": "user", "content": ex["prompt"]}],
+                                add_generation_prompt=True)
+
+  def decode(self, ex) -> dict:
+    """Decode one example; returns its record (score, wall, forwards, path, tokens, text)."""
+    from selforch_jax.data.synthetic_cities import score_answer
+    from selforch_jax.runtime.scheduler import run
+    from selforch_jax.runtime.schedulers import make_scheduler
+
+    sched = make_scheduler(self.runtime, self.engine, [self.prompt(ex)], **self.kw)
     t0 = time.perf_counter()
-    run(engine, sched)
+    run(self.engine, sched)
     wall = time.perf_counter() - t0
     for o in sched.owners:
-      engine.pool.free_owner(int(o))
+      self.engine.pool.free_owner(int(o))
     res = sched.results[0]
     stop = int(res.finish_reason == "stop")
-    if runtime == "ar":
-      text = tok.decode(list(res.token_ids), skip_special_tokens=True)
+    extra = {}
+    if self.runtime == "ar":
+      text = self.tok.decode(list(res.token_ids), skip_special_tokens=True)
       forwards = len(res.token_ids) + stop
-      extra = {}
     else:
-      text = sched.text(0, tok)
+      text = sched.text(0, self.tok)
       st = sched.stats[0]
       forwards = st["forwards"]
       extra = {k: st[k] for k in ("rounds", "chunks", "ar_steps", "denoise_steps",
                                   "well_formed")}
-      extra["raw"] = tok.decode(list(res.token_ids))
-    if j < len(warm):
-      continue
+      extra["raw"] = self.tok.decode(list(res.token_ids))
     sc = score_answer(ex, text)
-    recs.append(dict(k=len(ex["cities"]), **sc, wall_s=wall, forwards=forwards,
-                     critical_path=forwards - 1, tokens=len(res.token_ids) + stop,
-                     finish_reason=res.finish_reason, text=text, **extra))
-    print(f"{system} {len(recs)}/{len(examples)} k={recs[-1]['k']} "
-          f"items {sc['items_correct']}/{sc['items']} wall {wall:.1f}s "
-          f"path {forwards - 1}", file=sys.stderr, flush=True)
-  return recs
+    return dict(k=len(ex["cities"]), **sc, wall_s=wall, forwards=forwards,
+                critical_path=forwards - 1, tokens=len(res.token_ids) + stop,
+                finish_reason=res.finish_reason, text=text, **extra)
 
 
 def summarize(recs: list[dict], n_boot: int, seed: int) -> dict:
@@ -140,8 +141,18 @@ def main(argv=None):
   warm = generate_split(args.warmup, args.seed + 1)
   load_before = loadavg()
   t0 = time.time()
-  systems = {"pd": args.pd_adapter} | ({"ar": args.ar_adapter} if args.ar_adapter else {})
-  records = {s: decode_system(s, a, examples, warm, args) for s, a in systems.items()}
+  adapters = {"pd": args.pd_adapter} | ({"ar": args.ar_adapter} if args.ar_adapter else {})
+  systems = {s: System(s, a, PROMPT_TOKENS, args) for s, a in adapters.items()}
+  for ex in warm:                       # compile the step sizes, untimed
+    for sy in systems.values():
+      sy.decode(ex)
+  records = {s: [] for s in systems}
+  for i, ex in enumerate(examples):     # systems alternate per example: same machine load
+    for s, sy in systems.items():
+      r = sy.decode(ex)
+      records[s].append(r)
+      print(f"{s} {i + 1}/{len(examples)} k={r['k']} items {r['items_correct']}/{r['items']} "
+            f"wall {r['wall_s']:.1f}s path {r['critical_path']}", file=sys.stderr, flush=True)
   out = dict(
       task="synthetic_cities (selforch_jax.data.synthetic_cities), k = 2..6, greedy, batch 1",
       command="python bench/planned_diffusion.py " + " ".join(argv or sys.argv[1:]),
