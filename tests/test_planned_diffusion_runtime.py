@@ -65,7 +65,7 @@ def _full(fwd, state, seq, full_attention=False):
 def test_train_equals_decode_every_step(tiny, full_attention):
   model, state, fwd = tiny
   engine = Engine(model, num_pages=128, page_size=4)
-  s = pd.PlannedDiffusionScheduler(PROMPTS, TV, 60, stop_ids=[EOS], length_unit=UNIT,
+  s = pd.PlannedDiffusionScheduler(PROMPTS, TV, 40, stop_ids=[EOS], length_unit=UNIT,
                                    vocab_size=V, full_attention=full_attention)
   kinds = collections.Counter()
   while (plan := s.next_step()) is not None:
@@ -99,7 +99,7 @@ def test_batch_equals_single(tiny):
 
   def go(ps):
     engine = Engine(model, num_pages=192, page_size=4)
-    s = pd.PlannedDiffusionScheduler(ps, TV, 48, **kw)
+    s = pd.PlannedDiffusionScheduler(ps, TV, 36, **kw)
     run(engine, s)
     return s
 
@@ -249,13 +249,13 @@ def test_bad_options():
     pd.PlannedDiffusionScheduler([[1]], TV, 8, threshold=1.5)
 
 
-def test_api_rows():
+def test_api_rows(tiny):
   from selforch_jax import api
   from tests.trace_fixtures import ByteTagTokenizer, forced_plan_prompt
-  model, tok = init_model(get_preset("tiny_llama", vocab_size=V), seed=5), ByteTagTokenizer()
+  model, tok = tiny[0], ByteTagTokenizer()
   p = forced_plan_prompt(tok)          # promises of lengths 1, 2, 1 (10 tokens per unit)
   a, b = api.decode_ids(model, tok, [p, tok.encode_chat([{"role": "user", "content": "hi"}])],
-                        runtime="planned_diffusion", max_new_tokens=64, tag_vocab=TV,
+                        runtime="planned_diffusion", max_new_tokens=56, tag_vocab=TV,
                         options={"steps_ratio": 0.5, "confidence": "margin"})
   for x in (a, b):
     assert {"raw", "rounds", "critical_path", "denoise_steps", "chunks"} <= set(x.figures)
