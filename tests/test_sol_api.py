@@ -75,3 +75,12 @@ def test_decode_config_option_and_adapter_checks(adapter, tmp_path):
   (tmp_path / "adapter_config.json").write_text(json.dumps({"model": {"preset": "tiny_llama"}}))
   with pytest.raises(api.ApiError, match="not a SOL policy adapter"):
     api.check_adapter(str(tmp_path), "tiny_llama", "sol")
+
+
+def test_the_committed_smollm2_policy_loads():
+  import os
+  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "adapters", "sol_smollm2_135m")
+  pol, grid, sparsity, meta = load_sol_policy(path)
+  assert meta["model"]["preset"] == "smollm2_135m" and pol.cfg.lm_dim == 576
+  assert grid == GRID and pol.cfg.num_actions == 27 and sparsity == "quest(8)"
+  assert api.check_adapter(path, "smollm2_135m", "sol")["preset"] == "smollm2_135m"
