@@ -132,6 +132,8 @@ def main(argv=None):
   ap.add_argument("--steps_ratio", type=float, default=0.5)
   ap.add_argument("--confidence", default="entropy")
   ap.add_argument("--n_boot", type=int, default=10000)
+  ap.add_argument("--max_minutes", type=float, default=0.0,
+                  help="stop starting new examples after this many minutes (0 = no limit)")
   ap.add_argument("--out", default="bench/results/planned_diffusion_cities_cpu.json")
   args = ap.parse_args(argv)
   from selforch_jax.data.synthetic_cities import generate_split
@@ -148,6 +150,9 @@ def main(argv=None):
       sy.decode(ex)
   records = {s: [] for s in systems}
   for i, ex in enumerate(examples):     # systems alternate per example: same machine load
+    if args.max_minutes and time.time() - t0 > 60 * args.max_minutes:
+      print(f"time budget reached after {i} examples", file=sys.stderr)
+      break
     for s, sy in systems.items():
       r = sy.decode(ex)
       records[s].append(r)
@@ -157,7 +162,7 @@ def main(argv=None):
       task="synthetic_cities (selforch_jax.data.synthetic_cities), k = 2..6, greedy, batch 1",
       command="python bench/planned_diffusion.py " + " ".join(argv or sys.argv[1:]),
       args=vars(args), machine=machine_info(), load_before=load_before, load_after=loadavg(),
-      elapsed_s=time.time() - t0,
+      elapsed_s=time.time() - t0, n_done=len(records["pd"]),
       systems={s: summarize(r, args.n_boot, 0) for s, r in records.items()})
   if "ar" in records:
     pd_r, ar_r = records["pd"], records["ar"]
