@@ -70,7 +70,7 @@ def test_a_short_tiny_run_lowers_the_budget_error(tmp_path):
   s = c.sol
   s.context_len, s.rollout_len, s.rollouts, s.batch_size = 32, 8, 8, 8
   s.d_model, s.max_len, s.sparsity = 32, 64, "quest(4)"
-  s.sources, s.eval_windows, s.eval_every = "gsm8k:64", 4, 10
+  s.sources, s.eval_windows, s.eval_every = "gsm8k:64", 4, 30
   s.lr, s.ppo_epochs = 3e-3, 2
   s.eval_targets = "0.5,0.7,8;0.75,0.9,12;0.3,0.6,6"
   validate(c)
