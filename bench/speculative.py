@@ -12,6 +12,10 @@ GSM8K *train* prompts recording the counterfactual acceptance of every guess bud
 that curve and the measured step cost (``bench/results/engine_step_cpu.json``); the chosen
 sizes are in the JSON.
 
+Every finished prompt is appended to ``--records`` (default ``<out>_records.jsonl``); a rerun
+with the same ``--out`` resumes after the last finished prompt with the options and tree sizes
+the run started with, so a larger ``--n`` extends a finished run.
+
 Run (smoke; the full run drops --n / --new_tokens):
   python bench/speculative.py --n=3 --new_tokens=32 --out=out/speculative_smoke.json
   python bench/speculative.py --out=bench/results/speculative_cpu.json    # n = 100 / 80 / 100
@@ -75,6 +79,38 @@ def decode_one(engine, system, ids, new_tokens, stop_ids, opts):
                  counterfactual=st.get("counterfactual"))
 
 
+def read_records(path):
+  """The header and finished prompts of a ``--records`` JSONL.
+
+  Returns ``(header, done)``: ``header`` is the first row (systems, options, sizing) or None
+  when the file is absent or empty; ``done`` maps ``(set_name, prompt_index)`` to
+  ``{system: record}``. A truncated last line (a killed run) is ignored.
+  """
+  if not path or not os.path.exists(path):
+    return None, {}
+  header, done = None, {}
+  with open(path) as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if row.get("header"):
+        header = row
+      else:
+        done[(row["set"], int(row["k"]))] = row["records"]
+  return header, done
+
+
+def write_record(path, row, mode="a"):
+  """Append one JSON row to ``path`` and flush it to disk (``mode='w'`` starts the file)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, mode) as f:
+    f.write(json.dumps(row) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def ci(x, stat=np.mean):
   from scipy.stats import bootstrap
   x = np.asarray(x, float)
@@ -111,7 +147,13 @@ def main(argv=None):
                   "adapter's)")
   ap.add_argument("--out", default="out/speculative.json")
   ap.add_argument("--plot", default="", help="PNG path (default: --out with .png)")
+  ap.add_argument("--records", default="", help="per-prompt JSONL appended as the run goes and "
+                  "read back on a rerun, which resumes after the last finished prompt (default: "
+                  "--out with _records.jsonl; 'none' keeps nothing)")
   a = ap.parse_args(argv)
+  rec_path = "" if a.records == "none" else (
+      a.records or os.path.splitext(a.out)[0] + "_records.jsonl")
+  header, done = read_records(rec_path)
 
   from selforch_jax.checkpoints.assets import smollm2_gguf_path
   from selforch_jax.checkpoints.gguf_import import load_gguf
@@ -153,7 +195,14 @@ def main(argv=None):
   out = dict(config=dict(vars(a), model="SmolLM2-135M-Instruct (GGUF, float32)", greedy=True,
                          num_pages=pages, options=opts, stop_ids=stop_ids),
              machine=machine_info(), loadavg_start=loadavg(), sets={})
-  if a.calibrate_n and "ptd" in systems:
+  if header is not None:      # a resumed run keeps the sizes and options it started with
+    if header["systems"] != systems:
+      ap.error(f"--records={rec_path} was written for systems {header['systems']}, not {systems}")
+    opts = header["options"]
+    if header.get("sizing"):
+      out["sizing"] = header["sizing"]
+    out["config"]["options"] = opts
+  elif a.calibrate_n and "ptd" in systems:
     budgets = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32)
     cal = dict(opts["ptd"], max_tree=63, max_guess=32, record_budgets=budgets)
     curves = []
@@ -166,11 +215,19 @@ def main(argv=None):
     sizes = choose_sizes(step_ms, acc)
     opts["ptd"].update(max_tree=sizes["max_tree"], max_guess=sizes["max_guess"])
     out["sizing"] = dict(accept_curve=acc, step_ms=step_ms, chosen=sizes)
+  if header is None and rec_path:
+    write_record(rec_path, dict(header=True, systems=systems, options=opts,
+                                sizing=out.get("sizing")), mode="w")
+  out["resumed_prompts"] = len(done)
   for s in systems:                           # compile outside the timed runs
     decode_one(engine, s, next(iter(sets.values()))[0], min(16, a.new_tokens), stop_ids, opts[s])
   for set_name, prompts in sets.items():
     recs = {s: [] for s in systems}
     for k, ids in enumerate(prompts):
+      if (set_name, k) in done:
+        for s in systems:
+          recs[s].append(done[(set_name, k)][s])
+        continue
       ref = None
       for s in systems:
         r, rec = decode_one(engine, s, ids, a.new_tokens, stop_ids, opts[s])
@@ -179,6 +236,9 @@ def main(argv=None):
         rec["equal_to_ar"] = None if ref is None else r.token_ids == ref
         rec.pop("counterfactual", None)
         recs[s].append(rec)
+      if rec_path:
+        write_record(rec_path, dict(set=set_name, k=k, records={s: recs[s][-1] for s in systems},
+                                    loadavg=loadavg()))
       print(f"{set_name} {k + 1}/{len(prompts)} " + " ".join(
           f"{s}:{recs[s][-1]['tokens_per_forward']:.2f}" for s in systems), file=sys.stderr)
     summ = {}
