@@ -42,6 +42,24 @@ CONFIG_FILE = "adapter_config.json"
 TENSORS_FILE = "adapter.safetensors"
 
 
+def write_adapter_files(out_dir: str, tensors: dict, meta: dict) -> str:
+  """Write an adapter directory: ``tensors`` (name -> numpy array, any dtype) to
+  ``adapter.safetensors`` and ``meta`` (JSON-able) to ``adapter_config.json``; ``out_dir`` is
+  created, existing files are overwritten. Returns ``out_dir``.
+
+  Raises:
+    OSError: the directory cannot be created or written.
+  """
+  from safetensors.numpy import save_file
+  os.makedirs(out_dir, exist_ok=True)
+  # contiguous copies: safetensors writes a transposed view's buffer in its memory order
+  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+            os.path.join(out_dir, TENSORS_FILE), metadata={"format": "np"})
+  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+    json.dump(meta, f, indent=2)
+  return out_dir
+
+
 def _lora_tensors(model) -> dict[str, np.ndarray]:
   """``{"layers.<name>": float32 array}`` of every LoRA parameter of ``model``."""
   from flax import nnx
@@ -116,8 +134,6 @@ def export_adapter(workdir: str, out_dir: str, step: int | None = None) -> str:
     FileNotFoundError: ``workdir`` has no checkpoint.
     ValueError: the run has no LoRA adapters (``model.lora_rank == 0``).
   """
-  from safetensors.numpy import save_file
-
   from selforch_jax.trainers.restore import restore_run, steps_per_round
 
   config, model, tok, step = restore_run(workdir, step)
@@ -142,13 +158,7 @@ def export_adapter(workdir: str, out_dir: str, step: int | None = None) -> str:
           "source": source,
           "training": _training_sections(config),
           "metrics": _last_metrics(workdir, _logged_step(config, int(step)))}
-  os.makedirs(out_dir, exist_ok=True)
-  # contiguous copies: safetensors writes a transposed view's buffer in its memory order
-  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-            os.path.join(out_dir, TENSORS_FILE), metadata={"format": "np"})
-  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-    json.dump(meta, f, indent=2)
-  return out_dir
+  return write_adapter_files(out_dir, tensors, meta)
 
 
 def _view_tensors(model) -> dict[str, np.ndarray]:
@@ -183,8 +193,6 @@ def export_view_adapter(model, tokenizer, out_dir: str, model_section: dict, *,
   Raises:
     ValueError: the model has no diffusion view.
   """
-  from safetensors.numpy import save_file
-
   from selforch_jax.models.orthrus import MASK_TOKEN, mask_token_id, view_delta_names
   mask_id = mask_token_id(model, tokenizer)
   tensors = _view_tensors(model) | _row_tensors(model, mask_id)
@@ -196,12 +204,7 @@ def export_view_adapter(model, tokenizer, out_dir: str, model_section: dict, *,
           "added_tokens": [[MASK_TOKEN, mask_id]],
           "tensors": {k: list(v.shape) for k, v in sorted(tensors.items())},
           "source": source or {}, "training": training or {}, "metrics": metrics or {}}
-  os.makedirs(out_dir, exist_ok=True)
-  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-            os.path.join(out_dir, TENSORS_FILE), metadata={"format": "np"})
-  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-    json.dump(meta, f, indent=2)
-  return out_dir
+  return write_adapter_files(out_dir, tensors, meta)
 
 
 def _check_tensors(expected: dict, tensors: dict) -> None:

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from selforch_jax.adapter import CONFIG_FILE, TENSORS_FILE
+from selforch_jax.adapter import CONFIG_FILE, TENSORS_FILE, write_adapter_files
 
 KIND = "sol"
 
@@ -35,7 +35,6 @@ def export_sol_adapter(policy, grid, sparsity: str, model_section: dict, out_dir
                        metrics: dict | None = None) -> str:
   """Write ``policy`` (for ``grid`` and ``sparsity``) over the LM ``model_section`` to
   ``out_dir`` (created; files overwritten). Returns ``out_dir``."""
-  from safetensors.numpy import save_file
   tensors = _flat(policy)
   meta = {"format": "selforch_jax.adapter/1", "kind": KIND, "model": dict(model_section),
           "policy": policy.cfg.to_dict(),
@@ -43,12 +42,7 @@ def export_sol_adapter(policy, grid, sparsity: str, model_section: dict, out_dir
           "sparsity": str(sparsity),
           "tensors": {k: list(v.shape) for k, v in sorted(tensors.items())},
           "source": source or {}, "training": training or {}, "metrics": metrics or {}}
-  os.makedirs(out_dir, exist_ok=True)
-  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-            os.path.join(out_dir, TENSORS_FILE), metadata={"format": "np"})
-  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-    json.dump(meta, f, indent=2)
-  return out_dir
+  return write_adapter_files(out_dir, tensors, meta)
 
 
 def load_sol_policy(adapter_dir: str):
