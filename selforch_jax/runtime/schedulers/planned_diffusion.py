@@ -38,6 +38,17 @@ gets ``default_length`` (the runtime writes its digits before ``</promise>``), a
 ``max_new_tokens`` (a round that cannot fit one mask per chunk ends the request, ``"length"``).
 Runtime-written tokens (injected lengths, scaffold tags, ``<sync/>``) carry log-prob 0.0.
 
+Full diffusion (``full_diffusion=L``, the Dream-style baseline of issue 21; Dream-7B,
+``dream/generation_utils.py``: the whole answer masked, entropy-ordered unmasking): no plan and
+no AR step; after the prefill the runtime writes ``<async>`` + ``L`` ``<|mask|>`` + ``</async>``
+(one chunk, the format the chunks were trained in) at positions ``P .. P+L+1`` after the
+``P``-token prompt, in one engine segment that sees the whole prompt and itself
+bidirectionally; ``steps = max(1, int(steps_ratio * L))`` denoising iterations as above (the
+same unmask rule and the same confidence); ``[PAD]`` is the end-of-text filler, stripped from
+the text. The request ends after the last iteration (``"stop"`` if the chunk holds a ``[PAD]``,
+else ``"length"``); its critical path is ``steps``. The chunk bypasses the layout builder
+(:meth:`PlannedDiffusionScheduler.layout` covers the prompt only).
+
 Batches: every AR step runs the pending tokens of every request in the AR phase (and the sync
 steps of those that finished denoising); every denoising step runs all chunks of every request
 in the diffusion phase; when both kinds wait they alternate.
@@ -77,7 +88,7 @@ from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult
 __all__ = ["PlannedDiffusionScheduler", "chunk_predictions", "DEFAULTS"]
 
 DEFAULTS = dict(steps_ratio=1.0, eps=1e-3, confidence="entropy", threshold=None, max_promises=8,
-                max_rounds=4, plan_cap=96, default_length=2, max_length=8)
+                max_rounds=4, plan_cap=96, default_length=2, max_length=8, full_diffusion=None)
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
@@ -163,6 +174,7 @@ class _Req:
     self.t0 = self.t1 = 0.0
     self.owner = self.scratch_owner = -1
     self.resp_start = self.text_start = len(self.prompt)  # teacher-forced plan: earlier
+    self.fd: dict[int, tuple[int, int]] = {}   # full diffusion: index -> (position, segment)
 
   @property
   def response_len(self) -> int:
@@ -190,6 +202,8 @@ class PlannedDiffusionScheduler(Scheduler):
     full_attention: the chunks of a round see each other (upstream's dense-attention ablation;
       the trainer's ``planned_diffusion.full_attention``,
       :func:`selforch_jax.lang.planned_diffusion.dense_round_mask`).
+    full_diffusion: None, or L >= 1: the Dream-style baseline (module docstring): the whole
+      answer is one chunk of ``min(L, max_new_tokens - 2)`` masks, no plan.
     cap, length_unit: parser settings (10 tokens per promise unit).
     owner_base / segment_base: first owner / segment id this job uses.
 
@@ -212,7 +226,8 @@ class PlannedDiffusionScheduler(Scheduler):
                default_length: int = DEFAULTS["default_length"],
                max_length: int = DEFAULTS["max_length"], cap: int | None = DEFAULT_CAP,
                length_unit: int = TOKENS_PER_UNIT, owner_base: int = 0, segment_base: int = 0,
-               vocab_size: int | None = None, full_attention: bool = False):
+               vocab_size: int | None = None, full_attention: bool = False,
+               full_diffusion: int | None = None):
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("PlannedDiffusionScheduler needs at least one prompt, none empty")
     if max_new_tokens < 1:
@@ -230,6 +245,10 @@ class PlannedDiffusionScheduler(Scheduler):
                     ("max_length", max_length)):
       if int(v) < 1:
         raise ValueError(f"{name} must be >= 1, got {v}")
+    if full_diffusion is not None and int(full_diffusion) < 1:
+      raise ValueError(f"full_diffusion must be None or >= 1, got {full_diffusion}")
+    if full_diffusion is not None and max_new_tokens < 3:
+      raise ValueError(f"full_diffusion needs max_new_tokens >= 3, got {max_new_tokens}")
     if not tag_vocab.digit_ids:
       raise ValueError("PlannedDiffusionScheduler needs the tag vocab's digit_ids (to write a "
                        "promise's default length)")
@@ -244,6 +263,7 @@ class PlannedDiffusionScheduler(Scheduler):
     self.plan_cap, self.max_length = int(plan_cap), int(max_length)
     self.length_unit = int(length_unit)
     self.full_attention = bool(full_attention)
+    self.full_diffusion = None if full_diffusion is None else int(full_diffusion)
     digits = str(int(default_length))
     self.default_len = ([tv.space_ids[0]] if tv.space_ids else []) + \
         [tv.digit_ids[int(c)] for c in digits]
@@ -315,6 +335,8 @@ class PlannedDiffusionScheduler(Scheduler):
     return ev
 
   def _query(self, r: _Req, i: int) -> tuple[int, int, int]:
+    if i in r.fd:
+      return (r.seq[i], *r.fd[i])
     return (r.seq[i], r.builder.position_of(i), r.seg_map[r.builder.segment_of(i)])
 
   def _tables(self):
@@ -347,6 +369,10 @@ class PlannedDiffusionScheduler(Scheduler):
         rows.append((ri, len(q) - 1))
         r.forwards += 1
       self._prefilled = True
+      if self.full_diffusion is not None:
+        for r in self.reqs:
+          self._start_full(r)
+        rows = []                 # nothing is sampled from the prefill
       return self._plan(q, scratch=False, tag=("prefill", rows))
     ar = [ri for ri, r in enumerate(self.reqs) if r.phase in ("ar", "sync")]
     dn = [ri for ri, r in enumerate(self.reqs) if r.phase == "denoise"]
@@ -526,6 +552,33 @@ class PlannedDiffusionScheduler(Scheduler):
     r.step_i = 0
     r.phase = "denoise"
 
+  def _start_full(self, r: _Req) -> None:
+    """Scaffold the Dream-style whole-answer chunk after the prompt (module docstring)."""
+    tv = self.tv
+    n = min(self.full_diffusion, self.max_new - 2)
+    sees = sorted(set(r.seg_map.values()))
+    g = self._nseg
+    self._nseg += 1
+    if g >= self._visible.shape[0]:
+      m = 2 * g
+      v = np.zeros((m, m), bool)
+      v[:g, :g] = self._visible[:g, :g]
+      self._visible = v
+      self._bidir = np.concatenate([self._bidir, np.zeros(m - self._bidir.size, bool)])
+    self._visible[g, g] = True
+    self._visible[g, sees] = True
+    self._bidir[g] = True
+    start, pos0 = len(r.seq), r.builder.position_of(r.builder.num_tokens - 1) + 1
+    for j, t in enumerate([tv.async_open] + [tv.mask] * n + [tv.async_close]):
+      r.fd[start + j] = (pos0 + j, g)
+      r.seq.append(int(t))
+      r.lp.append(0.0)
+    r.chunks = [_Chunk(start, n, np.full(n, tv.mask, np.int64), np.ones(n, bool))]
+    r.n_chunks, r.rounds = 1, 1
+    r.steps = max(1, int(self.steps_ratio * n))
+    r.step_i = 0
+    r.phase = "denoise"
+
   def _on_denoise(self, spans, result: StepResult) -> None:
     rows, where = [], []
     for ri, c, first in spans:
@@ -561,7 +614,9 @@ class PlannedDiffusionScheduler(Scheduler):
       r = self.reqs[ri]
       r.step_i += 1
       if all(not c.masked.any() for c in r.chunks):
-        if r.terminator in self.stops:
+        if self.full_diffusion is not None:
+          self._finish(r, "stop" if (r.chunks[0].tokens == self.tv.pad).any() else "length")
+        elif r.terminator in self.stops:
           r.stop_token = r.terminator
           r.rounds += 1
           self._finish(r, "stop")
@@ -605,6 +660,8 @@ class PlannedDiffusionScheduler(Scheduler):
 
   # ---- outputs --------------------------------------------------------------------------------
   def _text_ids(self, r: _Req) -> list[int]:
+    if r.fd:
+      return [t for t in r.seq[r.resp_start:] if not self.tv.is_tag(t)]
     ids = assemble(r.seq[r.text_start:], self.tv, length_unit=self.length_unit)
     return [t for t in ids if not self.tv.is_tag(t)]
 
@@ -617,6 +674,8 @@ class PlannedDiffusionScheduler(Scheduler):
     """The final text of request ``i`` (each chunk at its promise's place, tags and ``[PAD]``
     stripped; pieces joined as :func:`selforch_jax.lang.assemble.join_pieces` does)."""
     r = self.reqs[i]
+    if r.fd:
+      return tokenizer.decode(self._text_ids(r), skip_special_tokens=True)
     pieces = assemble_pieces(r.seq[r.text_start:], self.tv, length_unit=self.length_unit)
     return join_pieces([(c, tokenizer.decode([t for t in ids if not self.tv.is_tag(t)],
                                              skip_special_tokens=True)) for c, ids in pieces])
