@@ -61,6 +61,8 @@ HELP = {
     "planned_diffusion.max_promises": "planned_diffusion: most promises per round",
     "planned_diffusion.max_rounds": "planned_diffusion: most rounds (then plain AR)",
     "planned_diffusion.plan_cap": "planned_diffusion: most tokens of one plan",
+    "planned_diffusion.full_diffusion": "planned_diffusion: Dream-style baseline, the whole "
+                                        "answer one chunk of this many masks (0 = off)",
     "pasta.adapter": "demo part: PASTA adapter decoding AlpacaEval prompts after the main run ('' = off)",
     "pasta.alpaca_eval": "demo part: AlpacaEval prompts",
     "pasta.offset": "demo part: first AlpacaEval row",
@@ -94,7 +96,7 @@ def defaults() -> ml_collections.ConfigDict:
       orthrus=dict(block_size=8),   # CPU (configs/orthrus.py)
       sol=dict(budget="0.5,0.8,8"),
       planned_diffusion=dict(steps_ratio=1.0, confidence="entropy", threshold=0.0,
-                             max_promises=8, max_rounds=4, plan_cap=96),
+                             max_promises=8, max_rounds=4, plan_cap=96, full_diffusion=0),
       # PASTA options (runtime=pasta and the demo's PASTA part); pasta.adapter "" = no part
       pasta=dict(adapter="", alpaca_eval=6, offset=0, max_new_tokens=256, cap=256,
                  constrain_tags=True, max_threads=DEFAULT_MAX_THREADS,
@@ -198,6 +200,7 @@ def options(config: ml_collections.ConfigDict) -> dict:
   if rt == "planned_diffusion":
     o = dict(config.planned_diffusion.to_dict())
     o["threshold"] = float(o["threshold"]) or None
+    o["full_diffusion"] = int(o["full_diffusion"]) or None
     return o
   return {}
 
