@@ -128,3 +128,21 @@ def test_bad_options():
     pd.PlannedDiffusionScheduler([[1]], TV, 8, full_diffusion=0)
   with pytest.raises(ValueError, match="max_new_tokens"):
     pd.PlannedDiffusionScheduler([[1]], TV, 2, full_diffusion=4)
+
+
+def test_api_and_decode_options(tiny):
+  from selforch_jax import api
+  from selforch_jax.decoding import run as decode_run
+  from tests.trace_fixtures import ByteTagTokenizer
+  tok = ByteTagTokenizer()
+  (a,) = api.decode_ids(tiny[0], tok, [tok.encode_chat([{"role": "user", "content": "hi"}])],
+                        runtime="planned_diffusion", max_new_tokens=24, tag_vocab=TV,
+                        options={"full_diffusion": 16, "steps_ratio": 0.25})
+  assert a.figures["denoise_steps"] == 4 and a.figures["critical_path"] == 4
+  assert a.figures["ar_steps"] == 0 and len(a.token_ids) == 18 and a.forwards == 5
+  c = decode_run.defaults()
+  c.runtime = "planned_diffusion"
+  assert decode_run.options(c)["full_diffusion"] is None
+  c.planned_diffusion.full_diffusion = 64
+  assert decode_run.options(c)["full_diffusion"] == 64
+  assert "planned_diffusion.full_diffusion" in decode_run.help_text()
