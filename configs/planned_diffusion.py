@@ -12,20 +12,23 @@ Run:
   python -m selforch_jax.train --config=configs/planned_diffusion.py:ar_only --workdir=out/pd_ar
   # ablations: generic topics, no <sync/>, dense attention inside a round
   python -m selforch_jax.train --config=configs/planned_diffusion.py:no_topic --workdir=out/pd_nt
+  # PASTA on the same task (the records without [PAD], PASTA's mask: a chunk sees the plan up to
+  # its promise and is causal; plain masked CE); decode with --config.runtime=pasta
+  python -m selforch_jax.train --config=configs/planned_diffusion.py:pasta --workdir=out/pasta_c
   # decode with the adapter the run writes (<workdir>/adapter unless adapter_out is set):
   python -m selforch_jax.decode --config=configs/smollm2_135m.py \
       --config.runtime=planned_diffusion --config.adapter=out/pd/adapter --prompt="..."
 
 Argument: ``STAGE[,key=value,...]``; STAGE is ``pd`` (default), ``ar_only``, ``no_topic``,
-``no_sync`` or ``full_attention``. Keys: ``model`` (a preset; smollm2_135m loads the GGUF
-weights, others are random with the SmolLM2 tokenizer), ``steps``, ``seq_len``, ``batch_size``,
+``no_sync``, ``full_attention`` or ``pasta``. Keys: ``model`` (a preset; smollm2_135m loads the
+GGUF weights, others are random with the SmolLM2 tokenizer), ``steps``, ``seq_len``, ``batch_size``,
 ``lora_rank``, ``n`` (training examples), ``lr``, ``ar_over_t`` (upstream's AR/t), ``adapter_out``.
 """
 
 from selforch_jax import config_lib
 from selforch_jax.trainers.run import defaults
 
-STAGES = ("pd", "ar_only", "no_topic", "no_sync", "full_attention")
+STAGES = ("pd", "ar_only", "no_topic", "no_sync", "full_attention", "pasta")
 BASE_VOCAB = 49152  # SmolLM2 tokenizer size: tag rows start here
 
 
@@ -55,6 +58,7 @@ def get_config(arg=None):
   p.no_topic = stage == "no_topic"
   p.no_sync = stage == "no_sync"
   p.full_attention = stage == "full_attention"
+  p.pasta = stage == "pasta"
   p.ar_over_t = bool(a.ar_over_t)
   p.cities_n = a.n                          # CPU: 2000 examples (seed 0)
   p.cities_seed = 0
@@ -64,8 +68,9 @@ def get_config(arg=None):
   c.data.annotated = True
   c.data.packing = False
   c.data.strip_tags = p.ar_only
-  c.data.async_sees_full_plan = not p.ar_only   # the Planned Diffusion layout
-  c.data.chunk_bidirectional = not p.ar_only
+  pd_layout = not (p.ar_only or p.pasta)
+  c.data.async_sees_full_plan = pd_layout     # the Planned Diffusion layout (PASTA: its own)
+  c.data.chunk_bidirectional = pd_layout
   c.data.seq_len = a.seq_len                # k = 6 answers fit in 512 tokens
   c.data.batch_size = a.batch_size
   c.data.num_epochs = None                  # repeat; the run length is train.steps

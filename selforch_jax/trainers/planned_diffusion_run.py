@@ -6,6 +6,8 @@ checkpointer) and :func:`export_pd` (the LoRA + tag-row adapter at the end of a 
 
 ``planned_diffusion.ar_only`` is upstream's ``--autoregressive_only`` baseline: the same records
 with the tags stripped (``data.strip_tags``), plain causal SFT (:class:`SFTTrainer`).
+``planned_diffusion.pasta`` is PASTA SFT on the same task: the records without ``[PAD]``, PASTA's
+mask (the builder's default layout), masked CE (:class:`SFTTrainer`; ``--config.runtime=pasta``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ def validate_pd(config: ml_collections.ConfigDict) -> None:
   if p.ar_only != bool(d.strip_tags):
     raise config_lib.ConfigError("planned_diffusion.ar_only (the AR-SFT baseline) goes with "
                                  "data.strip_tags=True, and only with it")
-  if not p.ar_only and not (d.async_sees_full_plan and d.chunk_bidirectional is True):
+  if p.pasta and (p.ar_only or d.strip_tags or d.async_sees_full_plan
+                  or d.chunk_bidirectional is not False or p.full_attention):
+    raise config_lib.ConfigError("planned_diffusion.pasta needs PASTA's layout: "
+                                 "data.async_sees_full_plan=False, data.chunk_bidirectional="
+                                 "False, no strip_tags, ar_only or full_attention")
+  if not (p.ar_only or p.pasta) and not (d.async_sees_full_plan
+                                         and d.chunk_bidirectional is True):
     raise config_lib.ConfigError("planned_diffusion needs the Planned Diffusion layout: "
                                  "data.async_sees_full_plan=True, data.chunk_bidirectional=True")
   if p.ar_only and p.full_attention:
@@ -75,14 +83,14 @@ def build_pd(config, workdir: str):
   if p.cities_n > 0:
     ensure_cities_data(data["path"], lambda s: len(tok.encode(s)), n=int(p.cities_n),
                        seed=int(p.cities_seed), no_topic=bool(p.no_topic),
-                       no_sync=bool(p.no_sync))
+                       no_sync=bool(p.no_sync), pad=not p.pasta)
   lora = mc.lora_rank > 0
   if lora:
     model = add_lora(model, mc.lora_rank, mc.lora_alpha, mc.lora_targets, seed=config.train.seed)
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   kw = dict(lora=lora, train_embed_rows_from=config.train.train_embed_rows_from,
             new_rows_lr_mult=config.train.new_rows_lr_mult)
-  if p.ar_only:
+  if p.ar_only or p.pasta:
     trainer = SFTTrainer(model, mesh, config.optim, config.train.steps, masked=True, **kw)
   else:
     trainer = PlannedDiffusionTrainer(model, mesh, config.optim, config.train.steps,
