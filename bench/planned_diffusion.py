@@ -1,27 +1,45 @@
-r"""Planned Diffusion vs AR on the synthetic cities task (issue 21): exact-match accuracy per item
-and per answer, critical path and wall-clock, with bootstrap 95% CIs and n.
+r"""Planned Diffusion vs AR-SFT, PASTA and a Dream-style full-diffusion baseline (issue 21), on the
+synthetic cities task (exact match) or on AlpacaEval prompts (NLL under the base model), with
+bootstrap 95% CIs and n, and the Pareto plot (speedup over AR vs quality).
 
-Evaluation examples: :func:`selforch_jax.data.synthetic_cities.generate_split` with ``--seed``
-(default 1000; the training records use seed 0), k = 2..6 cities. Every system decodes the same
-chat prompts one at a time (batch 1), greedy, on one engine per system (one pool size, so compiled
-steps are reused), after ``--warmup`` untimed answers of other examples; the systems alternate per
-example, so both see the same machine load:
+Systems (each one engine, batch 1, greedy; after ``--warmup`` untimed answers of other examples;
+the systems alternate per example, so all see the same machine load):
 
 * ``pd``: the Planned Diffusion adapter (``--pd_adapter``) with the planned_diffusion runtime
   (``--steps_ratio``, ``--confidence``); its de-tagged logical text is scored;
 * ``ar``: the AR-SFT adapter (``--ar_adapter``, trained on the same records with the tags
-  stripped) with plain AR decoding; ``--ar_adapter=""`` skips it.
+  stripped) with plain AR decoding (``""`` skips it; speedups need it);
+* ``pasta``: a PASTA adapter (``--pasta_adapter``, e.g. ``configs/planned_diffusion.py:pasta``)
+  with the pasta runtime (tag grammar on, as the PASTA eval:
+  :func:`selforch_jax.eval.pasta.run_pasta`);
+* ``dream``: ``--dream=L`` > 0: the PD adapter with ``full_diffusion=L`` (the whole answer one
+  chunk of L masks, entropy-ordered unmasking, ``steps_ratio * L`` steps; no plan).
 
-Per system: item accuracy (every city sentence verbatim in the answer), answer accuracy (all of
-them), mean wall-clock per answer, mean critical path (sequential forwards after the prefill: AR
-= generated tokens - 1; PD = plan / sync AR steps + denoising steps), mean generated tokens; vs AR
-(paired over the same examples): accuracy differences, speedup = mean AR wall / mean PD wall,
-critical-path ratio = mean PD path / mean AR path (bootstrap of the ratio of means). The machine's
-load averages before and after are recorded (2 shared cores: other jobs slow every system).
+Tasks (``--task``):
+
+* ``cities``: :func:`selforch_jax.data.synthetic_cities.generate_split` with ``--seed`` (default
+  1000; training uses seed 0), k = 2..6; item accuracy (every city sentence verbatim in the
+  answer) and answer accuracy (all of them);
+* ``alpaca``: the first ``--n`` AlpacaEval instructions after ``--offset`` (the PASTA eval's
+  prompts); quality = mean per-token NLL (nats) of the de-tagged answer under the base weights
+  of the PD adapter's model (``selforch_jax.eval.pasta``'s measure; lower is better), and the
+  answer length.
+
+Per system: mean wall-clock per answer, mean critical path (sequential forwards after the
+prefill: AR = generated tokens - 1; PD = plan / sync AR steps + denoising steps; PASTA = its
+forwards - 1; Dream = its denoising steps), mean generated tokens, well-formed rate (PD / PASTA:
+no parser rule or guard applied; AR and Dream: always); vs AR (paired over the same examples):
+quality differences, speedup = mean AR wall / mean system wall and critical-path ratio = mean
+system path / mean AR path (bootstrap of the ratio of means). Load averages before and after
+are recorded (2 shared cores: other jobs slow every system).
 
 Run:
   python bench/planned_diffusion.py --pd_adapter=adapters/pd_smollm2_135m \
       --ar_adapter=out/pd_ar/adapter --n=40 --out=bench/results/planned_diffusion_cities_cpu.json
+  python bench/planned_diffusion.py --task=alpaca --n=100 --max_new_tokens=256 \
+      --pd_adapter=adapters/pd_smollm2_135m --ar_adapter=adapters/pasta_baseline_smollm2_135m \
+      --pasta_adapter=adapters/pasta_smollm2_135m --dream=128 \
+      --out=bench/results/planned_diffusion_alpaca_cpu.json
 """
 
 from __future__ import annotations
@@ -39,6 +57,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import loadavg, machine_info  # noqa: E402
 
 PROMPT_TOKENS = 320   # longest cities prompt (k = 6) in chat form, with room to spare
+TASKS = ("cities", "alpaca")
+PASTA_CAP = 256       # the PASTA eval's thread budget floor (configs/eval_pasta.py)
+LABELS = {"pd": "Planned Diffusion", "ar": "AR-SFT", "pasta": "PASTA", "dream": "Dream-style"}
 
 
 def _ratio_ci(num: np.ndarray, den: np.ndarray, n_boot: int, seed: int) -> dict:
@@ -51,82 +72,171 @@ def _ratio_ci(num: np.ndarray, den: np.ndarray, n_boot: int, seed: int) -> dict:
 
 
 class System:
-  """One system's model, engine and scheduler options; :meth:`decode` answers one example."""
+  """One system's model, engine and options; :meth:`decode` answers one prompt.
 
-  def __init__(self, name: str, adapter: str, prompt_len: int, args):
-    from selforch_jax.adapter import load_adapter
+  Args:
+    name: "pd", "ar", "pasta" or "dream".
+    loaded: ``(model, tokenizer)`` (:func:`selforch_jax.adapter.load_adapter`).
+    prompt_len: the longest prompt (pool size).
+    args: the parsed command line.
+  """
+
+  def __init__(self, name: str, loaded, prompt_len: int, args):
+    from selforch_jax.eval.pasta import pasta_pool
     from selforch_jax.lang import TagVocab
     from selforch_jax.runtime.build import make_engine
     from selforch_jax.runtime.generation import eos_ids
     from selforch_jax.runtime.sampling import SamplingParams
 
     self.name = name
-    self.model, self.tok = load_adapter(adapter)
-    self.runtime = "planned_diffusion" if name == "pd" else "ar"
-    extra = dict(threads=2, extra_tokens=args.max_new_tokens + 16) if name == "pd" else {}
-    self.engine = make_engine(self.model, [prompt_len], args.max_new_tokens, **extra)
-    self.kw = dict(max_new_tokens=args.max_new_tokens, sampling=SamplingParams(),
+    self.model, self.tok = loaded
+    self.tv = TagVocab.from_tokenizer(self.tok) if name != "ar" else None
+    self.max_new = args.max_new_tokens if name != "dream" else args.dream + 2
+    if name in ("pd", "dream"):
+      pool = dict(threads=2, extra_tokens=self.max_new + 16)
+    elif name == "pasta":
+      self.options = dict(constrain_tags=True, max_threads=8, max_topic_tokens=12)
+      pool = pasta_pool(prompt_len, self.max_new, self.options)
+      del pool["prompt_lens"], pool["max_new_tokens"]
+    else:
+      pool = {}
+    self.engine = make_engine(self.model, [prompt_len], self.max_new, **pool)
+    self.kw = dict(max_new_tokens=self.max_new, sampling=SamplingParams(),
                    stop_ids=eos_ids(self.tok))
-    if name == "pd":
-      self.kw.update(tag_vocab=TagVocab.from_tokenizer(self.tok), steps_ratio=args.steps_ratio,
-                     confidence=args.confidence)
+    if name in ("pd", "dream"):
+      self.kw.update(tag_vocab=self.tv, steps_ratio=args.steps_ratio, confidence=args.confidence)
+    if name == "dream":
+      self.kw["full_diffusion"] = args.dream
 
-  def prompt(self, ex) -> list[int]:
-    return self.tok.encode_chat([{"role": "user", "content": ex["prompt"]}],
-                                add_generation_prompt=True)
-
-  def decode(self, ex) -> dict:
-    """Decode one example; returns its record (score, wall, forwards, path, tokens, text)."""
-    from selforch_jax.data.synthetic_cities import score_answer
+  def decode(self, prompt: list[int]) -> dict:
+    """Decode one prompt: ``text`` (de-tagged), ``ids`` (its token ids), ``wall_s``,
+    ``forwards``, ``critical_path``, ``tokens`` (generated, tags and stop included),
+    ``finish_reason``, ``well_formed`` (+ ``raw`` and the PD figures where they exist)."""
     from selforch_jax.runtime.scheduler import run
     from selforch_jax.runtime.schedulers import make_scheduler
 
-    sched = make_scheduler(self.runtime, self.engine, [self.prompt(ex)], **self.kw)
+    if self.name == "pasta":
+      from selforch_jax.eval.pasta import run_pasta
+      r = run_pasta(self.engine, self.tok, self.tv, prompt, self.max_new, PASTA_CAP,
+                    **self.options)
+      return dict(text=r["text"], ids=list(r["ids"]), wall_s=r["wall_s"],
+                  forwards=r["forwards"], critical_path=r["forwards"] - 1, tokens=r["tokens"],
+                  finish_reason=r["finish_reason"], well_formed=bool(r["parsed_strict"]),
+                  raw=r["raw"], threads=r["threads"], rounds=r["rounds"])
+    runtime = "ar" if self.name == "ar" else "planned_diffusion"
+    sched = make_scheduler(runtime, self.engine, [prompt], **self.kw)
     t0 = time.perf_counter()
     run(self.engine, sched)
     wall = time.perf_counter() - t0
     for o in sched.owners:
       self.engine.pool.free_owner(int(o))
     res = sched.results[0]
-    stop = int(res.finish_reason == "stop")
-    extra = {}
-    if self.runtime == "ar":
-      text = self.tok.decode(list(res.token_ids), skip_special_tokens=True)
-      forwards = len(res.token_ids) + stop
+    stop = int(res.finish_reason == "stop" and self.name != "dream")
+    out = dict(wall_s=wall, tokens=len(res.token_ids) + stop, finish_reason=res.finish_reason)
+    if self.name == "ar":
+      ids = list(res.token_ids)
+      out.update(forwards=len(ids) + stop, well_formed=True)
     else:
-      text = sched.text(0, self.tok)
       st = sched.stats[0]
-      forwards = st["forwards"]
-      extra = {k: st[k] for k in ("rounds", "chunks", "ar_steps", "denoise_steps",
-                                  "well_formed")}
-      extra["raw"] = self.tok.decode(list(res.token_ids))
-    sc = score_answer(ex, text)
-    return dict(k=len(ex["cities"]), **sc, wall_s=wall, forwards=forwards,
-                critical_path=forwards - 1, tokens=len(res.token_ids) + stop,
-                finish_reason=res.finish_reason, text=text, **extra)
+      ids = sched.text_ids(0)
+      out.update({k: st[k] for k in ("forwards", "rounds", "chunks", "ar_steps",
+                                     "denoise_steps", "well_formed")})
+      out["raw"] = self.tok.decode(list(res.token_ids))
+    out.update(text=self.tok.decode(ids, skip_special_tokens=True) if self.name == "ar"
+               else sched.text(0, self.tok), ids=ids, critical_path=out["forwards"] - 1)
+    return out
 
 
-def summarize(recs: list[dict], n_boot: int, seed: int) -> dict:
+def _examples(args) -> tuple[list[dict], list[dict]]:
+  """``(evaluation examples, warm-up examples)``: dicts with ``messages`` (+ the cities)."""
+  if args.task == "cities":
+    from selforch_jax.data.synthetic_cities import generate_split
+    conv = lambda exs: [dict(ex, messages=[{"role": "user", "content": ex["prompt"]}])  # noqa
+                        for ex in exs]
+    return conv(generate_split(args.n, args.seed)), conv(generate_split(args.warmup,
+                                                                        args.seed + 1))
+  from selforch_jax.data.sources import load_examples, prompt_and_reference
+  rows = load_examples("alpaca_eval", split="test",
+                       max_examples=args.offset + args.n + args.warmup)
+  exs = [dict(messages=prompt_and_reference(r)[0]) for r in rows]
+  return exs[args.offset:args.offset + args.n], exs[args.offset + args.n:][:args.warmup]
+
+
+def summarize(recs: list[dict], task: str, n_boot: int, seed: int) -> dict:
+  """One system's figures over its records (module docstring)."""
   from selforch_jax.eval.stats import bootstrap_ci
-  items = np.concatenate([[1.0] * r["items_correct"] + [0.0] * (r["items"] - r["items_correct"])
-                          for r in recs])
-  return dict(
-      n_answers=len(recs), n_items=int(items.size),
-      item_accuracy=bootstrap_ci(items, n_boot, seed=seed),
-      answer_accuracy=bootstrap_ci([float(r["answer_correct"]) for r in recs], n_boot, seed=seed),
-      wall_s=bootstrap_ci([r["wall_s"] for r in recs], n_boot, seed=seed),
-      critical_path=bootstrap_ci([float(r["critical_path"]) for r in recs], n_boot, seed=seed),
-      tokens=bootstrap_ci([float(r["tokens"]) for r in recs], n_boot, seed=seed),
-      finish_reasons={f: sum(r["finish_reason"] == f for r in recs)
-                      for f in sorted({r["finish_reason"] for r in recs})})
+  ci = lambda v: bootstrap_ci([float(x) for x in v], n_boot, seed=seed)  # noqa: E731
+  out = dict(n_answers=len(recs))
+  if task == "cities":
+    items = np.concatenate([[1.0] * r["items_correct"] + [0.0] * (r["items"] - r["items_correct"])
+                            for r in recs])
+    out.update(n_items=int(items.size), item_accuracy=ci(items),
+               answer_accuracy=ci([r["answer_correct"] for r in recs]))
+  else:
+    nll = [r["nll"] for r in recs if r["nll"] is not None]
+    out.update(nll=ci(nll) if nll else None, n_empty=len(recs) - len(nll),
+               length=ci([len(r["ids"]) for r in recs]))
+  out.update(wall_s=ci([r["wall_s"] for r in recs]),
+             critical_path=ci([r["critical_path"] for r in recs]),
+             tokens=ci([r["tokens"] for r in recs]),
+             well_formed=ci([r["well_formed"] for r in recs]),
+             finish_reasons={f: sum(r["finish_reason"] == f for r in recs)
+                             for f in sorted({r["finish_reason"] for r in recs})})
+  return out
+
+
+def versus_ar(recs: list[dict], ar: list[dict], task: str, n_boot: int) -> dict:
+  """Paired comparisons of one system with AR on the same examples."""
+  from selforch_jax.eval.stats import paired_bootstrap_diff
+  out = dict(speedup=_ratio_ci(np.array([r["wall_s"] for r in ar]),
+                               np.array([r["wall_s"] for r in recs]), n_boot, 0),
+             critical_path_ratio=_ratio_ci(np.array([r["critical_path"] for r in recs], float),
+                                           np.array([r["critical_path"] for r in ar], float),
+                                           n_boot, 0))
+  if task == "cities":
+    frac = lambda rs: [r["items_correct"] / r["items"] for r in rs]  # noqa: E731
+    out.update(answer_accuracy_diff=paired_bootstrap_diff(
+                   [float(r["answer_correct"]) for r in recs],
+                   [float(r["answer_correct"]) for r in ar], n_boot),
+               item_fraction_diff=paired_bootstrap_diff(frac(recs), frac(ar), n_boot))
+  else:
+    pairs = [(r["nll"], a["nll"]) for r, a in zip(recs, ar)
+             if r["nll"] is not None and a["nll"] is not None]
+    out["nll_diff"] = (paired_bootstrap_diff([p[0] for p in pairs], [p[1] for p in pairs], n_boot)
+                       if pairs else None)
+  return out
+
+
+def pareto(out: dict, path: str) -> str | None:
+  """The speedup-vs-quality plot (:func:`selforch_jax.eval.plots.pareto_plot`); None without
+  an AR system (no speedup to draw)."""
+  from selforch_jax.eval.plots import pareto_plot
+  systems, vs = out["systems"], out.get("vs_ar", {})
+  if "ar" not in systems:
+    return None
+  key, ylabel = (("item_accuracy", "item exact-match accuracy") if out["task"] == "cities" else
+                 ("nll", "NLL of the de-tagged answer under the base model (nats, lower better)"))
+  one = dict(mean=1.0, lo=1.0, hi=1.0)
+  pts = [dict(label=LABELS["ar"], x=one, y=systems["ar"][key], kind="reference")]
+  for s in systems:
+    if s != "ar" and systems[s].get(key):
+      pts.append(dict(label=LABELS[s], x=vs[s]["speedup"], y=systems[s][key],
+                      kind="pasta" if s == "pd" else "baseline"))
+  return pareto_plot(pts, path, ylabel=ylabel, series={},
+                     title=f"{out['task']}: n={systems['ar']['n_answers']}, batch 1, greedy")
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--task", default="cities", choices=TASKS)
   ap.add_argument("--pd_adapter", default="adapters/pd_smollm2_135m")
   ap.add_argument("--ar_adapter", default="")
+  ap.add_argument("--pasta_adapter", default="")
+  ap.add_argument("--dream", type=int, default=0,
+                  help="Dream-style baseline with this many masks (0 = off)")
   ap.add_argument("--n", type=int, default=40)
-  ap.add_argument("--seed", type=int, default=1000)
+  ap.add_argument("--seed", type=int, default=1000, help="cities: evaluation split seed")
+  ap.add_argument("--offset", type=int, default=0, help="alpaca: first instruction")
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--max_new_tokens", type=int, default=400)
   ap.add_argument("--steps_ratio", type=float, default=0.5)
@@ -134,55 +244,79 @@ def main(argv=None):
   ap.add_argument("--n_boot", type=int, default=10000)
   ap.add_argument("--max_minutes", type=float, default=0.0,
                   help="stop starting new examples after this many minutes (0 = no limit)")
+  ap.add_argument("--prompt_tokens", type=int, default=PROMPT_TOKENS,
+                  help="pool room per prompt (longer prompts are an error)")
   ap.add_argument("--out", default="bench/results/planned_diffusion_cities_cpu.json")
+  ap.add_argument("--plot", default=None, help="Pareto PNG (default: --out with .png)")
   args = ap.parse_args(argv)
-  from selforch_jax.data.synthetic_cities import generate_split
-  from selforch_jax.eval.stats import paired_bootstrap_diff
+  if args.n < 1 or args.warmup < 0 or args.dream < 0:
+    ap.error("--n must be >= 1, --warmup and --dream >= 0")
+  from selforch_jax.adapter import load_adapter
 
-  examples = generate_split(args.n, args.seed)
-  warm = generate_split(args.warmup, args.seed + 1)
+  examples, warm = _examples(args)
   load_before = loadavg()
   t0 = time.time()
-  adapters = {"pd": args.pd_adapter} | ({"ar": args.ar_adapter} if args.ar_adapter else {})
-  systems = {s: System(s, a, PROMPT_TOKENS, args) for s, a in adapters.items()}
-  for ex in warm:                       # compile the step sizes, untimed
-    for sy in systems.values():
-      sy.decode(ex)
+  adapters = {"pd": args.pd_adapter, "ar": args.ar_adapter, "pasta": args.pasta_adapter}
+  loaded = {s: load_adapter(a) for s, a in adapters.items() if a}
+  if args.dream:
+    loaded["dream"] = loaded["pd"]
+  systems = {s: System(s, m, args.prompt_tokens, args) for s, m in loaded.items()}
+  nll = None
+  if args.task == "alpaca":
+    import ml_collections
+
+    from selforch_jax import config_lib
+    from selforch_jax.eval.pasta import _NLL
+    with open(os.path.join(args.pd_adapter, "adapter_config.json")) as f:
+      mc = ml_collections.ConfigDict(json.load(f)["model"])
+    nll = _NLL(config_lib.load_model(mc)[1])     # the base weights (no LoRA)
+  prompts = {s: [sy.tok.encode_chat(ex["messages"], add_generation_prompt=True)
+                 for ex in examples + warm] for s, sy in systems.items()}
+  longest = max(len(p) for ps in prompts.values() for p in ps)
+  if longest > args.prompt_tokens:
+    ap.error(f"a prompt has {longest} tokens > --prompt_tokens={args.prompt_tokens}")
+  for i in range(len(warm)):            # compile the step sizes, untimed
+    for s, sy in systems.items():
+      sy.decode(prompts[s][len(examples) + i])
   records = {s: [] for s in systems}
   for i, ex in enumerate(examples):     # systems alternate per example: same machine load
     if i and args.max_minutes and time.time() - t0 > 60 * args.max_minutes:
       print(f"time budget reached after {i} examples", file=sys.stderr)
       break
     for s, sy in systems.items():
-      r = sy.decode(ex)
+      r = sy.decode(prompts[s][i])
+      if args.task == "cities":
+        from selforch_jax.data.synthetic_cities import score_answer
+        r.update(k=len(ex["cities"]), **score_answer(ex, r["text"]))
+        msg = f"items {r['items_correct']}/{r['items']}"
+      else:
+        base_prompt = prompts["pd"][i]
+        r["nll"] = nll(base_prompt, r["ids"]) if r["ids"] else None
+        msg = f"nll {r['nll']}"
       records[s].append(r)
-      print(f"{s} {i + 1}/{len(examples)} k={r['k']} items {r['items_correct']}/{r['items']} "
-            f"wall {r['wall_s']:.1f}s path {r['critical_path']}", file=sys.stderr, flush=True)
+      print(f"{s} {i + 1}/{len(examples)} {msg} wall {r['wall_s']:.1f}s "
+            f"path {r['critical_path']}", file=sys.stderr, flush=True)
   out = dict(
-      task="synthetic_cities (selforch_jax.data.synthetic_cities), k = 2..6, greedy, batch 1",
+      task=args.task,
+      task_note=("synthetic_cities (selforch_jax.data.synthetic_cities), k = 2..6"
+                 if args.task == "cities" else "AlpacaEval instructions (data/alpaca_eval)")
+      + ", greedy, batch 1",
       command="python bench/planned_diffusion.py " + " ".join(argv or sys.argv[1:]),
       args=vars(args), machine=machine_info(), load_before=load_before, load_after=loadavg(),
       elapsed_s=time.time() - t0, n_done=len(records["pd"]),
-      systems={s: summarize(r, args.n_boot, 0) for s, r in records.items()})
+      systems={s: summarize(r, args.task, args.n_boot, 0) for s, r in records.items()})
   if "ar" in records:
-    pd_r, ar_r = records["pd"], records["ar"]
-    frac = lambda rs: [r["items_correct"] / r["items"] for r in rs]  # noqa: E731
-    out["pd_vs_ar"] = dict(
-        answer_accuracy_diff=paired_bootstrap_diff(
-            [float(r["answer_correct"]) for r in pd_r],
-            [float(r["answer_correct"]) for r in ar_r], args.n_boot),
-        item_fraction_diff=paired_bootstrap_diff(frac(pd_r), frac(ar_r), args.n_boot),
-        speedup=_ratio_ci(np.array([r["wall_s"] for r in ar_r]),
-                          np.array([r["wall_s"] for r in pd_r]), args.n_boot, 0),
-        critical_path_ratio=_ratio_ci(np.array([r["critical_path"] for r in pd_r], float),
-                                      np.array([r["critical_path"] for r in ar_r], float),
-                                      args.n_boot, 0))
-  out["records"] = records
+    out["vs_ar"] = {s: versus_ar(r, records["ar"], args.task, args.n_boot)
+                    for s, r in records.items() if s != "ar"}
+  out["records"] = {s: [{k: v for k, v in r.items() if k != "ids"} for r in rs]
+                    for s, rs in records.items()}
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w", encoding="utf-8") as f:
     json.dump(out, f, indent=1)
+  plot = pareto(out, args.plot or os.path.splitext(args.out)[0] + ".png")
   print(json.dumps({k: v for k, v in out.items() if k != "records"}, indent=1))
-  print(f"wrote {args.out}", file=sys.stderr)
+  print(f"wrote {args.out}" + (f" and {plot}" if plot else ""), file=sys.stderr)
+  return out
 
 
 if __name__ == "__main__":
