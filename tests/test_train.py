@@ -332,3 +332,17 @@ def test_resume_refuses_a_different_model_or_data_config(tmp_path):
   s = train(tiny_config(steps=3, optim__lr=5e-4), str(tmp_path))  # optim/train may change
   assert s["step"] == 3
   assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_resume_diffs_treat_a_key_the_checkpoint_lacks_as_its_default():
+  from selforch_jax.trainers.run import resume_diffs
+  now = json.loads(tiny_config().to_json())
+  old = json.loads(tiny_config().to_json())
+  del old["data"]["chunk_bidirectional"]          # a key added after the checkpoint was written
+  assert resume_diffs(old, now) == []
+  now["data"]["chunk_bidirectional"] = True       # ... but set away from its default now
+  assert resume_diffs(old, now) == ["data.chunk_bidirectional: checkpoint False, now True"]
+  now["data"]["seq_len"] += 1
+  assert "data.seq_len" in " ".join(resume_diffs(old, now))
+  now["data"]["num_threads"] = 7                  # execution detail: may change
+  assert not any("num_threads" in d for d in resume_diffs(old, now))

@@ -206,6 +206,23 @@ RESUME_SECTIONS = ("model", "data")  # must match the checkpoint's config to res
 RESUME_MAY_CHANGE = ("data.num_threads", "data.prefetch_buffer_size", "model.remat", "model.dtype")
 
 
+def resume_diffs(saved: dict, now: dict) -> list[str]:
+  """The ``RESUME_SECTIONS`` keys where two configs (``ConfigDict.to_json`` dicts) differ, as
+  ``"data.seq_len: checkpoint 64, now 128"`` lines. A key only one side has (added to
+  :func:`defaults` after the checkpoint was written, or dropped since) counts as its default
+  value, so a checkpoint written before a new key existed resumes while that key keeps its
+  default; ``RESUME_MAY_CHANGE`` keys never count."""
+  base = json.loads(defaults().to_json())
+  diffs = []
+  for sect in RESUME_SECTIONS:
+    a, b, d = saved.get(sect, {}), now.get(sect, {}), base.get(sect, {})
+    for k in sorted(set(a) | set(b)):
+      va, vb = a.get(k, d.get(k)), b.get(k, d.get(k))
+      if va != vb and f"{sect}.{k}" not in RESUME_MAY_CHANGE:
+        diffs.append(f"{sect}.{k}: checkpoint {va!r}, now {vb!r}")
+  return diffs
+
+
 def check_resume_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Refuse to resume a checkpoint written with a different model or data config.
 
@@ -224,13 +241,7 @@ def check_resume_config(config: ml_collections.ConfigDict, workdir: str) -> None
     saved = ck.restore_config()
   finally:
     ck.close()
-  now = json.loads(config.to_json())
-  diffs = []
-  for sect in RESUME_SECTIONS:
-    a, b = saved.get(sect, {}), now.get(sect, {})
-    for k in sorted(set(a) | set(b)):
-      if a.get(k) != b.get(k) and f"{sect}.{k}" not in RESUME_MAY_CHANGE:
-        diffs.append(f"{sect}.{k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}")
+  diffs = resume_diffs(saved, json.loads(config.to_json()))
   if diffs:
     raise config_lib.ConfigError(
         f"{workdir} holds a checkpoint of a different run; resuming it needs the same model and "
