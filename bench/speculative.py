@@ -47,15 +47,15 @@ def _config():
 
 
 def load_prompts(name: str, n: int) -> list[str]:
-  """User turns of the first ``n`` rows of set ``name`` (gsm8k | mt_bench | alpaca_eval |
-  gsm8k_train)."""
+  """User turns of the first ``n`` rows of set ``name`` (gsm8k | math500 | mt_bench |
+  alpaca_eval | gsm8k_train)."""
   from selforch_jax.data.sources import load_examples
   if name == "mt_bench":
     with open(os.path.join(ROOT, "data/mt_bench/question.jsonl")) as f:
       rows = [json.loads(line) for line in f if line.strip()]
     return [r["turns"][0] for r in rows[:n]]
   ds, split = {"gsm8k": ("gsm8k", "test"), "gsm8k_train": ("gsm8k", "train"),
-               "alpaca_eval": ("alpaca_eval", "test")}[name]
+               "math500": ("math500", "test"), "alpaca_eval": ("alpaca_eval", "test")}[name]
   rows = load_examples(ds, split=split, max_examples=n)
   return [next(m["content"] for m in r["messages"] if m["role"] == "user") for r in rows]
 
