@@ -407,7 +407,7 @@ class Transformer(nnx.Module):
                key_order: jax.Array | None = None,
                layer_params: dict[str, list] | None = None,
                mlp_keep_frac: jax.Array | None = None, query_bits: jax.Array | None = None,
-               return_usage: bool = False) -> tuple:
+               return_usage: bool = False, query_view: jax.Array | None = None) -> tuple:
     """Forward pass.
 
     Args:
@@ -457,6 +457,11 @@ class Transformer(nnx.Module):
         fraction of the keys it may see (mean over layers and KV heads; 1 without sparsity or on
         the dense rule), the kept fraction of MLP input channels (mean over layers; counts the
         nonzero channels of ``mlp_keep`` too) and its MLP-output bits / 16.
+      query_view: optional bool ``[B, T]`` with ``view`` a view name: per-query view
+        selection (Orthrus's fused verify + draft step): query t uses ``view``'s attention
+        projections (and q/k norms) where True and the base ones (LoRA included) where False;
+        both are computed for every query and selected, so one program serves any split.
+        None = every query uses ``view``.
       layer_params: optional ``{name: [L arrays]}``: the layer parameters unstacked, one array
         per layer (:func:`unstack_layers`); with ``layer_loop="unroll"`` layer i reads its own
         arrays instead of slicing the stacked ones (no per-step weight copy on CPU).
@@ -506,8 +511,19 @@ class Transformer(nnx.Module):
     loop = cfg.resolved_layer_loop(decode=kv_cache is not None)
     if layer_params is not None and loop != "unroll":
       raise ValueError("layer_params (per-layer weights) needs layer_loop='unroll'")
-    params = view_params(layer_params if layer_params is not None else self.layers.stacked(),
-                         cfg, view)
+    all_params = layer_params if layer_params is not None else self.layers.stacked()
+    mixed = query_view is not None
+    if mixed:
+      if view == "base":
+        raise ValueError("query_view selects between the base and a view: give view=<name>")
+      if query_view.shape != (B, T):
+        raise ValueError(f"query_view shape {query_view.shape} != {(B, T)}")
+      params = view_params(all_params, cfg, "base")
+      params.update({f"{n}@view": a for n, a in view_params(all_params, cfg, view).items()
+                     if n in view_param_names(cfg)})
+      sel = query_view.astype(bool)[:, :, None, None]                     # [B, T, 1, 1]
+    else:
+      params = view_params(all_params, cfg, view)
     ls = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else 0.0
     step_mask = mask
     if sparse[0] == "recency":
@@ -522,6 +538,14 @@ class Transformer(nnx.Module):
       if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+      if mixed:   # the view's projections too, selected per query
+        pv = {n: p[f"{n}@view"] for n in view_param_names(cfg)}
+        qv, kv_, vv = (proj(h, pv, n, "btd,dhk->bthk", dtype, 0.0)
+                       for n in ("q_proj", "k_proj", "v_proj"))
+        if cfg.qk_norm:
+          qv = rms_norm(qv, pv["q_norm"], cfg.rms_norm_eps)
+          kv_ = rms_norm(kv_, pv["k_norm"], cfg.rms_norm_eps)
+        q, k, v = jnp.where(sel, qv, q), jnp.where(sel, kv_, k), jnp.where(sel, vv, v)
       q = apply_rope(q, positions, inv_freq)
       k = apply_rope(k, positions, inv_freq)
       if cache_kv is not None and len(cache_kv) == 2:
@@ -570,7 +594,10 @@ class Transformer(nnx.Module):
         a, mass = attention(q, keys, values, m, dtype, return_mass=True)
       else:
         a, mass = attention(q, keys, values, m, dtype), None
-      x = x + proj(a, p, "o_proj", "bthk,hkd->btd", dtype, ls)
+      o = proj(a, p, "o_proj", "bthk,hkd->btd", dtype, ls)
+      if mixed:
+        o = jnp.where(sel[..., 0], proj(a, pv, "o_proj", "bthk,hkd->btd", dtype, 0.0), o)
+      x = x + o
       h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
       if mlp_keep is not None:
         h = h * mlp_keep.astype(h.dtype)
