@@ -82,9 +82,14 @@ class ForwardSpec:
     query_bits: ``[T]`` MLP-output fake-quant bits per query in [2, 16] (16 = off; SOL's bits
       knob when the queries of one step carry different actions,
       :func:`~selforch_jax.models.transformer.fake_quant_rows`).
+    query_view: bool ``[T]``: per-query view selection, with ``view`` naming the view: query t
+      uses ``view``'s attention projections where True and the base ones where False (Orthrus's
+      fused step: the AR verify of block k and the diffusion draft of block k+1 in one forward).
+      None: every query uses ``view``.
 
   Raises:
-    ValueError: unknown output or view name, bad sparsity string, act_bits outside [2, 16].
+    ValueError: unknown output or view name, bad sparsity string, act_bits outside [2, 16],
+      ``query_view`` with ``view="base"``.
   """
 
   view: str = "base"
@@ -96,6 +101,7 @@ class ForwardSpec:
   keep_frac: Any = None
   mlp_keep_frac: Any = None
   query_bits: Any = None
+  query_view: Any = None
 
   def __post_init__(self):
     outs = (self.outputs,) if isinstance(self.outputs, str) else tuple(self.outputs)
@@ -112,15 +118,18 @@ class ForwardSpec:
         raise ValueError(f"query_bits must be in [2, 16] (16 = off), got {qb.min()}..{qb.max()}")
     if not isinstance(self.view, str) or not self.view:
       raise ValueError(f"view must be a non-empty string, got {self.view!r}")
+    if self.query_view is not None and self.view == "base":
+      raise ValueError("query_view selects between the base and a view: set view to its name")
 
   def static(self) -> tuple:
     """The hashable part that chooses the compiled program: ``(view, outputs, sparsity,
     act_bits, has_query_key_keep, mlp_keep_rank, has_keep_frac, has_mlp_keep_frac,
-    has_query_bits)``."""
+    has_query_bits[, True if query_view])``."""
     mk = None if self.mlp_keep is None else int(np.ndim(self.mlp_keep))
     return (self.view, tuple(sorted(self.outputs)), parse_sparsity(self.sparsity),
             int(self.act_bits), self.query_key_keep is not None, mk, self.keep_frac is not None,
-            self.mlp_keep_frac is not None, self.query_bits is not None)
+            self.mlp_keep_frac is not None, self.query_bits is not None) + \
+        ((True,) if self.query_view is not None else ())
 
   @property
   def is_plain(self) -> bool:
@@ -150,6 +159,9 @@ class StepPlan:
     write_slots: optional int ``[T]``: rewrite in place: query t writes its K/V to this slot,
       already held by its owner (diffusion re-denoising), instead of a newly allocated one.
     scratch: release this step's slots right after it (verify without writing back).
+    scratch_owners: owners whose slots this step allocates are released right after it, the
+      other queries' slots are kept (a fused step's draft queries, Orthrus; ``scratch`` releases
+      every query's).
     key_keep: optional bool ``[S]`` keys hidden for this step only.
     spec: the :class:`ForwardSpec` (what the step computes).
     tag: anything the scheduler wants back in ``Scheduler.on_step``.
@@ -168,6 +180,7 @@ class StepPlan:
   relabel: Sequence[tuple[Any, int, int]] = ()
   write_slots: Any = None
   scratch: bool = False
+  scratch_owners: tuple[int, ...] = ()
   key_keep: Any = None
   spec: ForwardSpec = PLAIN
   tag: Any = None
