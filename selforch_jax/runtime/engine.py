@@ -104,7 +104,7 @@ def _jitted_spec_step(graphdef, key, state, cache, tokens, positions, write_slot
   if "mlp_keep" in extras:
     mk = extras["mlp_keep"]
     kw["mlp_keep"] = mk if mk.ndim == 1 else mk[None]
-  for name in ("mlp_keep_frac", "query_bits"):
+  for name in ("mlp_keep_frac", "query_bits", "query_view"):
     if name in extras:
       kw[name] = extras[name][None]
   want_mass, want_hidden = "attn_mass" in outputs, "hidden" in outputs
@@ -336,6 +336,11 @@ class Engine:
         if a.shape != (T,):
           raise ValueError(f"step: {name} {a.shape} != [{T}]")
         extras[name] = np.concatenate([a, np.full(Tb - T, fill, np.float32)])
+    if spec.query_view is not None:
+      qv = np.asarray(spec.query_view, bool).reshape(-1)
+      if qv.shape != (T,):
+        raise ValueError(f"step: query_view {qv.shape} != [{T}]")
+      extras["query_view"] = np.concatenate([qv, np.zeros(Tb - T, bool)])
     return extras
 
   def warm_up(self, sizes, attn_mass: tuple[bool, ...] = (False,),
@@ -371,7 +376,8 @@ class Engine:
               mlp_keep=None if mk is None else np.ones((D,) if np.ndim(mk) == 1 else (T, D)),
               keep_frac=None if spec.keep_frac is None else np.full(T, 0.5),
               mlp_keep_frac=None if spec.mlp_keep_frac is None else np.full(T, 0.5),
-              query_bits=None if spec.query_bits is None else np.full(T, 8.0))
+              query_bits=None if spec.query_bits is None else np.full(T, 8.0),
+              query_view=None if spec.query_view is None else np.zeros(T, bool))
         for W in key_windows(S) if self.attention == "reference" else [S]:
           if Tb >= KEY_WINDOW_MIN and W < T:
             continue
