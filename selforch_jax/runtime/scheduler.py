@@ -68,7 +68,8 @@ def execute(engine: Engine, plan: StepPlan) -> StepResult:
   (:meth:`~selforch_jax.runtime.kv_pool.KVPool.relabel`), so the same plan's ``free_owners`` /
   ``rollback`` / ``evict`` of that owner drop the rest of the tree without touching them, and a
   ``rollback`` of the target owner in the same plan counts them as its newest slots. With
-  ``write_slots`` the step rewrites those held slots in place (nothing is allocated).
+  ``write_slots`` the step rewrites those held slots in place (nothing is allocated). After the
+  step, a ``scratch`` plan's slots are released, or only those of its ``scratch_owners``.
 
   Raises:
     PoolExhausted: the step's slots do not fit (the pool changes before it were applied).
@@ -90,9 +91,10 @@ def execute(engine: Engine, plan: StepPlan) -> StepResult:
                                plan.visible, plan.bidir, orders=plan.orders,
                                key_keep=plan.key_keep, write_slots=plan.write_slots,
                                spec=plan.spec)
-  if plan.scratch:
-    owners = np.broadcast_to(np.asarray(plan.owners, np.int64), slots.shape)
-    for o in np.unique(owners)[::-1]:
+  owners = np.broadcast_to(np.asarray(plan.owners, np.int64), slots.shape)
+  drop = np.unique(owners) if plan.scratch else np.asarray(plan.scratch_owners, np.int64)
+  for o in drop[::-1]:   # (scratch_owners: the fused step's draft queries, the rest kept)
+    if np.any(owners == o):
       pool.rollback(int(o), int(np.count_nonzero(owners == o)))
   return StepResult(logits=out["logits"], slots=slots, released_pages=released,
                     hidden=out["hidden"], attn_mass=out["attn_mass"], usage=out["usage"])
