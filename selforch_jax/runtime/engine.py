@@ -38,7 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from selforch_jax.models.transformer import KVCache, Transformer, unstack_layers
+from selforch_jax.models.transformer import (
+    SPARSE_DENSE_SINKS, SPARSE_DENSE_WINDOW, KVCache, Transformer, unstack_layers,
+)
 from selforch_jax.runtime.kv_pool import KVPool, PoolExhausted
 from selforch_jax.runtime.mask import step_mask
 from selforch_jax.runtime.paged_backend import (
@@ -48,6 +50,53 @@ from selforch_jax.runtime.step import ForwardSpec, parse_sparsity
 
 
 KEY_WINDOW_MIN = 256  # slots: the shortest key window (smaller pools use all their slots)
+GATHER_MAX_QUERIES = 16  # padded queries: larger "quest_gather" steps run the quest mask program
+
+
+def gather_bucket(n: int) -> int:
+  """The static page count a ``quest_gather`` step of ``n >= 1`` needed pages compiles for: the
+  smallest of ``2^k`` and ``3 * 2^(k-1)`` (1, 2, 3, 4, 6, 8, 12, 16, 24, ...) that is ``>= n``
+  (at most 1.5x the need, two programs per octave)."""
+  b = bucket_size(max(int(n), 1))
+  return 3 * b // 4 if b >= 4 and 3 * b // 4 >= n else b
+
+
+def quest_gather_pages(mask: np.ndarray, keep_frac: np.ndarray, page_size: int) -> int | None:
+  """The page count a ``quest_gather(page_size)`` step gathers per (query, KV head), or None
+  when the step should run the ``quest`` mask program instead (same selection, no gather).
+
+  Each query needs ``ceil(keep_frac * kv_len / page_size)`` pages (float32, as the step
+  computes it) or, if dense (``kv_len <= SPARSE_DENSE_SINKS + SPARSE_DENSE_WINDOW + 1`` or
+  ``keep_frac >= 1``), every page it sees a key of; the step's count is
+  :func:`gather_bucket` of the largest need.
+
+  Args:
+    mask: bool ``[Tb, W]`` the step's windowed visibility (padding queries see nothing).
+    keep_frac: float ``[Tb]`` keep fraction per query.
+    page_size: QUEST page size.
+
+  Returns:
+    the static page count, or None when every query is dense (the mask program is the plain
+    step exactly), when the bucket would cover the whole window (no key saved) or when the step
+    has more than :data:`GATHER_MAX_QUERIES` queries.
+  """
+  Tb, W = mask.shape
+  P = int(page_size)
+  NP = -(-W // P)
+  if Tb > GATHER_MAX_QUERIES:
+    return None
+  kv_len = mask.sum(-1)
+  kf = np.asarray(keep_frac, np.float32).reshape(-1)
+  dense = (kv_len <= SPARSE_DENSE_SINKS + SPARSE_DENSE_WINDOW + 1) | (kf >= 1.0)
+  if dense.all():
+    return None
+  padded = np.zeros((Tb, NP * P), bool)
+  padded[:, :W] = mask
+  seen_pages = padded.reshape(Tb, NP, P).any(-1).sum(-1)
+  need = np.ceil(kf * kv_len.astype(np.float32) / np.float32(P)).astype(np.int64)
+  need = np.where(dense, seen_pages, need)
+  nb = gather_bucket(int(need.max()))
+  return nb if nb < NP else None
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -72,7 +121,9 @@ PLAIN_KEY = ("base", ("logits",), ("none",), 16)  # spec_key of the plain step
 
 def spec_key(spec: ForwardSpec) -> tuple:
   """The static part of ``spec`` the jitted step compiles on: ``(view, sorted outputs,
-  parsed sparsity, act_bits)`` (the arrays' presence and ranks are part of the pytree)."""
+  parsed sparsity, act_bits)`` (the arrays' presence and ranks are part of the pytree). For
+  ``quest_gather`` :meth:`Engine.step` then sets the step's page count: ``("quest_gather", P,
+  num_pages)``, or ``("quest", P)`` (:func:`quest_gather_pages`)."""
   return (spec.view, tuple(sorted(spec.outputs)), parse_sparsity(spec.sparsity),
           int(spec.act_bits))
 
@@ -227,8 +278,9 @@ class Engine:
       spec: optional :class:`~selforch_jax.runtime.step.ForwardSpec`: what else the step
         computes. Its arrays: ``query_key_keep`` bool ``[T, S]`` (ANDed into ``mask``),
         ``mlp_keep`` ``[D]`` or ``[T, D]``, ``keep_frac`` float ``[T]`` (needed by a sparsity;
-        fractions in [0, 1], ``>= 1`` = dense). ``recency`` ages keys by the pool's decode
-        order (``pool.order``, ties by slot). A plain spec (everything off, no arrays) runs the
+        fractions in [0, 1], ``>= 1`` = dense). ``quest_gather`` gathers each query's kept
+        pages (:func:`quest_gather_pages` picks the static count, or the ``quest`` mask program).
+        ``recency`` ages keys by the pool's decode order (``pool.order``, ties by slot). A plain spec (everything off, no arrays) runs the
         plain program. Views write their K/V into ``write_slots`` like the base (run the step
         as scratch to drop them).
 
@@ -287,6 +339,9 @@ class Engine:
       windowed[:T] = mask[:, :W]
       mask = windowed
       self.windows_used.add(W)
+      if key[2][0] == "quest_gather":   # the static page count of this step, or the mask path
+        nb = quest_gather_pages(mask, extras["keep_frac"], key[2][1])
+        key = key[:2] + ((("quest", key[2][1]) if nb is None else key[2] + (nb,)),) + key[3:]
       if key[2][0] == "recency":   # age rank of the window's slots: the pool's decode order
         order = self.pool.order[:W]
         extras["key_order"] = np.argsort(np.argsort(order, kind="stable"),
@@ -353,7 +408,9 @@ class Engine:
     ``True``, and each of ``specs`` (only their static part and which arrays they carry, with
     their ranks, matter; placeholder arrays are used). Resets the step counters. On a
     ``"paged"`` engine only the dense-mask programs compile (the kernel's compile falls in the
-    first real step).
+    first real step). A ``quest_gather`` spec compiles its ``quest`` mask programs here (the
+    placeholder queries are dense); its gather programs, one per :func:`gather_bucket` page count
+    and key window, compile on first use.
 
     Raises:
       ValueError: the pool holds allocated slots (warm up a fresh or reset engine: the

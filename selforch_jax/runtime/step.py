@@ -17,27 +17,38 @@ import jax
 import numpy as np
 
 OUTPUTS = ("logits", "hidden", "attn_mass", "usage")
-_SPARSITY = re.compile(r"^(none|quest\((\d+)\)|recency\((\d+),\s*(\d+)\))$")
+_SPARSITY = re.compile(r"^(none|(quest|quest_gather)\((\d+)\)|recency\((\d+),\s*(\d+)\))$")
 
 
 def parse_sparsity(sparsity: str) -> tuple:
-  """``"none"`` -> ``("none",)``; ``"quest(P)"`` -> ``("quest", P)``; ``"recency(S, W)"`` ->
-  ``("recency", S, W)``.
+  """``"none"`` -> ``("none",)``; ``"quest(P)"`` -> ``("quest", P)``; ``"quest_gather(P)"`` ->
+  ``("quest_gather", P)``; ``"recency(S, W)"`` -> ``("recency", S, W)``.
 
   Raises:
     ValueError: any other string, or a zero page size.
   """
   m = _SPARSITY.match(str(sparsity).strip())
   if not m:
-    raise ValueError(f"sparsity must be 'none', 'quest(page_size)' or 'recency(sinks, window)', "
-                     f"got {sparsity!r}")
+    raise ValueError(f"sparsity must be 'none', 'quest(page_size)', 'quest_gather(page_size)' "
+                     f"or 'recency(sinks, window)', got {sparsity!r}")
   if m.group(2) is not None:
-    if int(m.group(2)) < 1:
+    if int(m.group(3)) < 1:
       raise ValueError(f"quest page size must be >= 1, got {sparsity!r}")
-    return ("quest", int(m.group(2)))
-  if m.group(3) is not None:
-    return ("recency", int(m.group(3)), int(m.group(4)))
+    return (m.group(2), int(m.group(3)))
+  if m.group(4) is not None:
+    return ("recency", int(m.group(4)), int(m.group(5)))
   return ("none",)
+
+
+def gathered_sparsity(sparsity: str) -> str:
+  """The compute-saving form of a sparsity string: ``"quest(P)"`` -> ``"quest_gather(P)"`` (the
+  same page selection, attention over the gathered kept pages only); any other rule unchanged.
+
+  Raises:
+    ValueError: a bad sparsity string (:func:`parse_sparsity`).
+  """
+  sp = parse_sparsity(sparsity)
+  return f"quest_gather({sp[1]})" if sp[0] == "quest" else str(sparsity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +78,17 @@ class ForwardSpec:
       ``keep_frac >= 1``. QUEST pages are ``page_size`` consecutive slots of the step's key
       window; each page's key min/max is computed inside the step over the slots some query of
       the step sees; GQA: a KV head's query group shares one selection, its page score summed
-      over the group (:func:`~selforch_jax.models.transformer.quest_key_mask`). Both need
-      ``keep_frac`` and the dense mask path (a ``"paged"`` engine runs these steps densely).
+      over the group (:func:`~selforch_jax.models.transformer.quest_key_mask`).
+      ``"quest_gather(page_size)"`` is the same selection with the compute saved: each (query,
+      KV head) gathers its kept pages' K/V from the cache and attends over those only
+      (:func:`~selforch_jax.models.transformer.quest_gather_attention`; the engine picks the
+      static page count per step, :func:`~selforch_jax.runtime.engine.quest_gather_pages`, and
+      runs the ``quest`` mask program instead where gathering would not read fewer keys than
+      the key window, where every query is dense (so a dense action is still the plain step
+      exactly) or for steps of more than
+      :data:`~selforch_jax.runtime.engine.GATHER_MAX_QUERIES` padded queries); logits equal
+      ``quest``'s up to float summation order; not with ``attn_mass``. All need ``keep_frac``
+      and the dense mask path (a ``"paged"`` engine runs these steps on it).
     act_bits: MLP-output fake-quant bits (per-token absmax, symmetric); 16 = off.
 
   Arrays (data; None = off):
@@ -89,7 +109,7 @@ class ForwardSpec:
 
   Raises:
     ValueError: unknown output or view name, bad sparsity string, act_bits outside [2, 16],
-      ``query_view`` with ``view="base"``.
+      ``query_view`` with ``view="base"``, ``quest_gather`` with the ``attn_mass`` output.
   """
 
   view: str = "base"
@@ -109,7 +129,9 @@ class ForwardSpec:
     bad = [o for o in outs if o not in OUTPUTS]
     if bad or not outs:
       raise ValueError(f"ForwardSpec.outputs must be a non-empty subset of {OUTPUTS}, got {outs}")
-    parse_sparsity(self.sparsity)
+    if parse_sparsity(self.sparsity)[0] == "quest_gather" and "attn_mass" in outs:
+      raise ValueError("sparsity 'quest_gather' attends over gathered keys: no attn_mass output "
+                       "(use 'quest')")
     if not 2 <= int(self.act_bits) <= 16:
       raise ValueError(f"act_bits must be in [2, 16] (16 = off), got {self.act_bits}")
     if self.query_bits is not None:
