@@ -36,7 +36,7 @@ from selforch_jax.runtime.schedulers.ar import ARScheduler
 from selforch_jax.runtime.sol_actions import DEFAULT_SPARSITY, ActionGrid, budget_triple, \
     parse_budget
 from selforch_jax.runtime.sol_control import BudgetController, dense_limit
-from selforch_jax.runtime.step import ForwardSpec
+from selforch_jax.runtime.step import ForwardSpec, gathered_sparsity
 
 HIDDEN = ForwardSpec(outputs=("logits", "hidden"))
 
@@ -49,18 +49,23 @@ class SOLScheduler(ARScheduler):
       :class:`ARScheduler`.
     actor: a :class:`BudgetController` or :class:`ScheduleActor` with one row per prompt.
     grid: its :class:`ActionGrid`. sparsity: the token-attention rule (``"quest(8)"``).
+    gather: run ``quest(P)`` decode steps as ``quest_gather(P)`` (the same page selection and
+      logits up to float summation order, attention over the gathered kept pages only: the
+      compute saved; the engine falls back to the mask program where that saves nothing, and an
+      all-dense step is the plain step exactly). False: the mask over the whole key window.
 
   Raises:
     ValueError: as :class:`ARScheduler`; an actor with another row count than prompts.
   """
 
   def __init__(self, prompts, max_new_tokens, actor, grid: ActionGrid,
-               sparsity: str = DEFAULT_SPARSITY, **kw):
+               sparsity: str = DEFAULT_SPARSITY, gather: bool = True, **kw):
     super().__init__(prompts, max_new_tokens, **kw)
     n = len(getattr(actor, "eff_steps"))
     if n != len(self.prompts):
       raise ValueError(f"SOL actor has {n} rows for {len(self.prompts)} prompts")
     self.actor, self.grid, self.sparsity = actor, grid, sparsity
+    self.step_sparsity = gathered_sparsity(sparsity) if gather else sparsity
     self.limit = dense_limit(sparsity)
     self.actions: list[list[int]] = [[] for _ in self.prompts]
 
@@ -79,7 +84,7 @@ class SOLScheduler(ARScheduler):
     a = self.actor.act(toks, eff)
     for i in rows:
       self.actions[i].append(int(a[i]))
-    plan.spec = self.grid.spec(a[rows], self.sparsity)
+    plan.spec = self.grid.spec(a[rows], self.step_sparsity)
     return plan
 
   def on_step(self, plan: StepPlan, result: StepResult) -> None:
@@ -238,10 +243,11 @@ def make_controller(engine: Engine, policy, grid: ActionGrid, budget, n: int, ho
 @register("sol")
 def _sol(engine: Engine, prompts: Sequence[Sequence[int]], tag_vocab=None, *, policy=None,
          grid: ActionGrid | None = None, budget="0.5,0.8,8", sparsity: str = DEFAULT_SPARSITY,
-         actor=None, greedy_policy: bool = True, **kw) -> Scheduler:
+         actor=None, greedy_policy: bool = True, gather: bool = True, **kw) -> Scheduler:
   """SOL decoding (:class:`SOLScheduler`): ``policy`` (a trained
   :class:`~selforch_jax.models.sol_policy.SolPolicy`) and its ``grid`` at target ``budget``
-  (greedy actions by default, upstream's evaluation), or a ready ``actor``; ``tag_vocab``
+  (greedy actions by default, upstream's evaluation), or a ready ``actor``; ``gather``: QUEST
+  decode steps attend over the gathered kept pages (:class:`SOLScheduler`); ``tag_vocab``
   unused.
 
   Raises:
@@ -258,5 +264,5 @@ def _sol(engine: Engine, prompts: Sequence[Sequence[int]], tag_vocab=None, *, po
                             greedy=greedy_policy, seed=kw.get("sampling").seed
                             if kw.get("sampling") is not None else 0)
   owner_base, segment_base = fresh_bases(engine)
-  return SOLScheduler(prompts, actor=actor, grid=grid, sparsity=sparsity,
+  return SOLScheduler(prompts, actor=actor, grid=grid, sparsity=sparsity, gather=gather,
                       owner_base=owner_base, segment_base=segment_base, **kw)
