@@ -22,7 +22,9 @@ Run:
 Argument: ``STAGE[,key=value,...]``; STAGE is ``pd`` (default), ``ar_only``, ``no_topic``,
 ``no_sync``, ``full_attention`` or ``pasta``. Keys: ``model`` (a preset; smollm2_135m loads the
 GGUF weights, others are random with the SmolLM2 tokenizer), ``steps``, ``seq_len``, ``batch_size``,
-``lora_rank``, ``n`` (training examples), ``lr``, ``ar_over_t`` (upstream's AR/t), ``adapter_out``.
+``lora_rank``, ``n`` (training examples), ``lr``, ``ar_over_t`` (upstream's AR/t), ``adapter_out``,
+``init_adapter`` (an adapter directory of the same LoRA rank whose LoRA + tag rows the run
+starts from, e.g. ``adapters/pd_smollm2_135m`` to continue its training).
 """
 
 from selforch_jax import config_lib
@@ -35,7 +37,8 @@ BASE_VOCAB = 49152  # SmolLM2 tokenizer size: tag rows start here
 def get_config(arg=None):
   stage, rest = config_lib.split_stage(arg, STAGES, "configs/planned_diffusion.py")
   a = config_lib.parse_arg(rest, model="smollm2_135m", steps=120, seq_len=512, batch_size=4,
-                           lora_rank=8, n=2000, lr=4e-4, ar_over_t=False, adapter_out="")
+                           lora_rank=8, n=2000, lr=4e-4, ar_over_t=False, adapter_out="",
+                           init_adapter="")
   if a.lora_rank < 1 or a.steps < 1 or a.n < 1:
     raise config_lib.ConfigError("configs/planned_diffusion.py: lora_rank, steps and n must be "
                                  ">= 1")
@@ -63,6 +66,7 @@ def get_config(arg=None):
   p.cities_n = a.n                          # CPU: 2000 examples (seed 0)
   p.cities_seed = 0
   p.adapter_out = a.adapter_out
+  p.init_adapter = a.init_adapter
 
   c.data.name = "chat"
   c.data.annotated = True

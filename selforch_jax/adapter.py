@@ -257,6 +257,59 @@ def is_adapter_dir(path: str) -> bool:
   return os.path.exists(os.path.join(path, CONFIG_FILE))
 
 
+def set_adapter_weights(model, tensors: dict, rows_from: int) -> None:
+  """Write an adapter's tensors into a LoRA model in place (unmerged: the LoRA stays trainable).
+
+  Args:
+    model: a :class:`~selforch_jax.models.transformer.Transformer` with LoRA adapters of the
+      adapter's rank and targets (``add_lora``) and its vocabulary.
+    tensors: the adapter's ``adapter.safetensors`` (``layers.*`` float ``[L, ...]`` LoRA
+      factors stacked over layers; ``embed_rows`` ``[V - rows_from, D]``, ``head_rows``).
+    rows_from: the first embedding row the adapter holds.
+
+  Raises:
+    ValueError: a tensor is missing, unexpected or of the wrong shape (naming the first).
+  """
+  from flax import nnx
+  from flax.traverse_util import unflatten_dict
+
+  _check_tensors({k: v.shape for k, v in
+                  (_lora_tensors(model) | _row_tensors(model, int(rows_from))).items()}, tensors)
+  pd = model.cfg.jnp_param_dtype
+  state = nnx.state(model, nnx.LoRAParam)
+  nnx.replace_by_pure_dict(state, unflatten_dict(
+      {k: v.astype(pd) for k, v in tensors.items() if k.startswith("layers.")}, sep="."))
+  nnx.update(model, state)
+  r = int(rows_from)
+  if "embed_rows" in tensors:
+    model.embed[...] = model.embed[...].at[r:].set(tensors["embed_rows"].astype(pd))
+  if "head_rows" in tensors:
+    model.lm_head[...] = model.lm_head[...].at[:, r:].set(tensors["head_rows"].T.astype(pd))
+
+
+def load_adapter_weights(model, adapter_dir: str) -> None:
+  """:func:`set_adapter_weights` from an adapter directory (a run that continues from a
+  committed adapter, e.g. ``planned_diffusion.init_adapter``).
+
+  Raises:
+    FileNotFoundError: a file is missing. ValueError: as :func:`set_adapter_weights`, or the
+      adapter's LoRA rank / alpha / targets differ from the model's.
+  """
+  from safetensors.numpy import load_file
+
+  for name in (CONFIG_FILE, TENSORS_FILE):
+    if not os.path.exists(os.path.join(adapter_dir, name)):
+      raise FileNotFoundError(f"{os.path.join(adapter_dir, name)} is missing")
+  with open(os.path.join(adapter_dir, CONFIG_FILE)) as f:
+    meta = json.load(f)
+  am, cfg = meta["model"], model.cfg
+  for key, have in (("lora_rank", cfg.lora_rank), ("lora_alpha", cfg.lora_alpha)):
+    if key in am and float(am[key]) != float(have):
+      raise ValueError(f"{adapter_dir}: {key}={am[key]}, the model has {have}")
+  set_adapter_weights(model, load_file(os.path.join(adapter_dir, TENSORS_FILE)),
+                      int(meta["rows_from"]))
+
+
 def load_adapter(adapter_dir: str):
   """Rebuild the run's model from an adapter directory.
 
@@ -273,8 +326,6 @@ def load_adapter(adapter_dir: str):
       first), or a tensor is missing, unexpected or of the wrong shape (naming it).
   """
   import ml_collections
-  from flax import nnx
-  from flax.traverse_util import unflatten_dict
   from safetensors.numpy import load_file
 
   from selforch_jax import config_lib
@@ -298,26 +349,7 @@ def load_adapter(adapter_dir: str):
       raise ValueError(f"token {token!r} has id {got} in the rebuilt tokenizer, {i} in the "
                        "adapter: the base model spec does not match the run")
   model = add_lora(base, mc.lora_rank, mc.lora_alpha, mc.lora_targets)
-  expected = {k: v.shape for k, v in
-              (_lora_tensors(model) | _row_tensors(model, int(meta["rows_from"]))).items()}
-  for k in sorted(set(expected) | set(tensors)):
-    if k not in tensors:
-      raise ValueError(f"adapter tensor {k!r} {tuple(expected[k])} is missing")
-    if k not in expected:
-      raise ValueError(f"unexpected adapter tensor {k!r}: the rebuilt model has no such parameter")
-    if tensors[k].shape != expected[k]:
-      raise ValueError(f"adapter tensor {k!r} has shape {tuple(tensors[k].shape)}, the model "
-                       f"needs {tuple(expected[k])}")
-  pd = model.cfg.jnp_param_dtype
-  state = nnx.state(model, nnx.LoRAParam)
-  nnx.replace_by_pure_dict(state, unflatten_dict(
-      {k: v.astype(pd) for k, v in tensors.items() if k.startswith("layers.")}, sep="."))
-  nnx.update(model, state)
-  r = int(meta["rows_from"])
-  if "embed_rows" in tensors:
-    model.embed[...] = model.embed[...].at[r:].set(tensors["embed_rows"].astype(pd))
-  if "head_rows" in tensors:
-    model.lm_head[...] = model.lm_head[...].at[:, r:].set(tensors["head_rows"].T.astype(pd))
+  set_adapter_weights(model, tensors, int(meta["rows_from"]))
   return merged_model(model), tok
 
 

@@ -86,3 +86,19 @@ def test_run_loss_falls_resume_and_adapter(tmp_path):
     c2 = load_config_file("configs/planned_diffusion.py", arg)
     c2.data.strip_tags = True
     train(c2, str(tmp_path / "bad"))
+  # init_adapter: a run starts from the adapter's LoRA + tag rows (its one step is at warm-up
+  # lr 0, so it exports them back)
+  from safetensors.numpy import load_file
+  c3 = load_config_file("configs/planned_diffusion.py", arg.replace("steps=6", "steps=1")
+                        + f",init_adapter={out['adapter']}")
+  c3.train.async_checkpoint, c3.train.eval_every = False, 0
+  out3 = train(c3, str(tmp_path / "cont"))
+  want = load_file(os.path.join(out["adapter"], "adapter.safetensors"))
+  got = load_file(os.path.join(out3["adapter"], "adapter.safetensors"))
+  assert sorted(got) == sorted(want)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], atol=1e-6, err_msg=k)
+  with pytest.raises(ValueError, match="lora_rank"):
+    c4 = load_config_file("configs/planned_diffusion.py", arg.replace("steps=6", "steps=1")
+                          + f",lora_rank=4,init_adapter={out['adapter']}")
+    train(c4, str(tmp_path / "rank4"))

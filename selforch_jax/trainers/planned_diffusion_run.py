@@ -51,6 +51,12 @@ def validate_pd(config: ml_collections.ConfigDict) -> None:
                                  "data.async_sees_full_plan=True, data.chunk_bidirectional=True")
   if p.ar_only and p.full_attention:
     raise config_lib.ConfigError("planned_diffusion.full_attention has no meaning with ar_only")
+  if p.init_adapter and not config.model.lora_rank:
+    raise config_lib.ConfigError("planned_diffusion.init_adapter (LoRA + tag rows) needs "
+                                 "model.lora_rank > 0")
+  if p.init_adapter and not os.path.isfile(os.path.join(p.init_adapter, "adapter_config.json")):
+    raise config_lib.ConfigError(f"planned_diffusion.init_adapter={p.init_adapter!r} is not an "
+                                 "adapter directory (no adapter_config.json)")
 
 
 def data_section(config, workdir: str) -> dict:
@@ -66,6 +72,7 @@ def build_pd(config, workdir: str):
   :func:`selforch_jax.trainers.run.build` does for SFT; the cities records are written first
   (:func:`~selforch_jax.data.planned_diffusion_data.ensure_cities_data`)."""
   from selforch_jax import sharding as shd
+  from selforch_jax.adapter import load_adapter_weights
   from selforch_jax.data.pipeline import make_dataset
   from selforch_jax.data.planned_diffusion_data import ensure_cities_data
   from selforch_jax.lang.tags import TagVocab
@@ -87,6 +94,8 @@ def build_pd(config, workdir: str):
   lora = mc.lora_rank > 0
   if lora:
     model = add_lora(model, mc.lora_rank, mc.lora_alpha, mc.lora_targets, seed=config.train.seed)
+    if p.init_adapter:          # continue from a committed adapter (a checkpoint overrides it)
+      load_adapter_weights(model, p.init_adapter)
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   kw = dict(lora=lora, train_embed_rows_from=config.train.train_embed_rows_from,
             new_rows_lr_mult=config.train.new_rows_lr_mult)

@@ -53,10 +53,12 @@ def defaults() -> ml_collections.ConfigDict:
   # Planned Diffusion (trainers/planned_diffusion.py): t's lower end, upstream's AR/t flag, dense
   # attention inside a round, the synthetic cities records written to the workdir (cities_n
   # examples of seed cities_seed; 0 = data.path), upstream's ablations, where the adapter goes;
-  # pasta: PASTA SFT on the same records (no [PAD], PASTA's mask, plain masked CE)
+  # pasta: PASTA SFT on the same records (no [PAD], PASTA's mask, plain masked CE);
+  # init_adapter: an adapter directory whose LoRA + tag rows the run starts from ("" = none)
   planned_diffusion = ml_collections.ConfigDict(dict(
       eps=1e-3, ar_over_t=False, full_attention=False, ar_only=False, no_topic=False,
-      no_sync=False, cities_n=2000, cities_seed=0, adapter_out="", pasta=False))
+      no_sync=False, cities_n=2000, cities_seed=0, adapter_out="", pasta=False,
+      init_adapter=""))
   # trainer: "sft" / "orthrus" / "planned_diffusion" (this module's loop), "grpo" or "bonbon"
   # (trainers/po_run.py)
   return ml_collections.ConfigDict(dict(model=model, data=data, optim=optim_defaults(),
