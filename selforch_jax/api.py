@@ -260,7 +260,7 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
       PASTA run their own batches inside one job).
     options: the runtime's own options (PASTA: cap, constrain_tags, max_threads,
       max_topic_tokens; SoT: skeleton_tokens, point_tokens, max_points; APAR: child_tokens,
-      max_forks; streaming_llm / h2o: budget, n_sink, recent_ratio; orthrus: block_size;
+      max_forks; streaming_llm / h2o: budget, n_sink, recent_ratio; orthrus: block_size, fused, fuse_at;
       planned_diffusion: :data:`PD_OPTIONS`; sol: ``policy`` (a SOL adapter directory, or
       ``(policy, grid, sparsity)``) and ``budget`` (``"kappa,rho,bits"``, default
       ``0.5,0.8,8``)).
@@ -344,6 +344,10 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
       kw["mask_id"] = tokenizer.token_to_id(MASK_TOKEN)
       if "block_size" in options:
         kw["block_size"] = int(options["block_size"])
+      if "fused" in options:
+        kw["fused"] = bool(options["fused"])
+      if options.get("fuse_at"):
+        kw["fuse_at"] = int(options["fuse_at"])
     elif runtime == "sol":
       kw.update(policy=sol_policy[0], grid=sol_policy[1], sparsity=sol_policy[2],
                 budget=options.get("budget", "0.5,0.8,8"))

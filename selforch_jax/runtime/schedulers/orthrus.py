@@ -19,13 +19,31 @@ Per request, after the AR prefill (the first token ``x_s`` sampled from its last
    sequence and frees the rest (the rollback of the rejected suffix); the bonus token is the next
    ``x_s`` (its K/V is written by the next verify step).
 
-Every forward counts (``forwards`` = prefill + diffusion + verify steps; not fused), so greedy
+Every forward counts (``forwards`` = prefill + diffusion + verify steps), so unfused greedy
 tokens per forward are at most ``B / 2`` per iteration. The pool holds, between steps, the
 committed tokens but the newest and at most ``B - 1`` verify slots: O(B) beyond the sequence.
+
+**Fused** (``fused=True``; beyond upstream): the verify step of block k also carries a
+diffusion draft of block k+1 (one forward with per-query views, ``ForwardSpec.query_view``).
+Its diffusion queries are ``[d_j, MASK x (B-1)]`` at positions ``s+j .. s+j+B-1``, anchored at
+verified draft ``d_j`` (``fuse_at=j``; default the last draft ``d_k``, the issue's "assume block
+k is accepted whole"), in the diffusion segment that sees the committed sequence, the root and
+the verify chain ``d_1 .. d_{j-1}`` (the AR keys strictly before ``s+j``, written by the same
+step) and itself: exactly the training layout of a block starting at ``s+j``
+(:func:`~selforch_jax.models.orthrus.dual_pass_logits`), so it needs no training of its own.
+Row r predicts position ``s+j+r+1``. When ``a >= j`` drafts are accepted, the committed
+sequence agrees with everything the block assumed, and rows ``a+1-j ..`` (past the bonus at
+``s+a+1``) are the next block's drafts: the next verify step runs at once. When ``a < j`` they
+are dropped and a standalone diffusion step drafts from the bonus, as unfused. Its K/V go to a
+separate scratch owner released right after the step (``StepPlan.scratch_owners``), so the
+pool never keeps diffusion K/V. A block whose fused draft is used costs one forward instead of
+two; a fused step has up to ``2B`` queries. Drafts from a smaller ``j`` are usable more often
+but condition on masks where the accepted tokens past ``d_j`` are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -49,13 +67,19 @@ class OrthrusScheduler(SpecScheduler):
       :class:`SpecScheduler`.
     mask_id: the model's mask token id (:func:`selforch_jax.models.orthrus.mask_token_id`).
     block_size: B >= 2, the diffusion block (1 + B - 1 drafts).
+    fused: fuse each verify step with the next block's diffusion draft (module docstring).
+    fuse_at: the verified draft j >= 1 the fused draft is anchored at (None: the last one,
+      usable only when the block is accepted whole; j: usable whenever >= j drafts are
+      accepted).
 
   After the run, :attr:`stats` rows have :class:`SpecScheduler`'s figures (``forwards`` counts
   every model forward) plus ``diffusion_forwards``, ``verify_forwards`` and
-  ``mean_acceptance_length`` (tokens committed per verify step: accepted + 1).
+  ``mean_acceptance_length`` (tokens committed per verify step: accepted + 1), ``fused_drafts``
+  (fused drafts used: verify steps that ran with no diffusion step before them).
 
   Raises:
-    ValueError: as :class:`SpecScheduler`; ``block_size < 2``; ``mask_id < 0``.
+    ValueError: as :class:`SpecScheduler`; ``block_size < 2``; ``mask_id < 0``; ``fuse_at``
+      outside ``[1, block_size)``.
   """
 
   name = "orthrus"
@@ -63,11 +87,14 @@ class OrthrusScheduler(SpecScheduler):
   def __init__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                owner_base: int = 0, segment_base: int = 0, *, mask_id: int,
-               block_size: int = DEFAULT_BLOCK_SIZE, max_pos: int = 1 << 30):
+               block_size: int = DEFAULT_BLOCK_SIZE, fused: bool = False,
+               fuse_at: int | None = None, max_pos: int = 1 << 30):
     if int(block_size) < 2:
       raise ValueError(f"block_size must be >= 2, got {block_size}")
     if int(mask_id) < 0:
       raise ValueError(f"mask_id must be a token id >= 0, got {mask_id}")
+    if fuse_at is not None and not 1 <= int(fuse_at) < int(block_size):
+      raise ValueError(f"fuse_at must be in [1, block_size) or None, got {fuse_at}")
     super().__init__(prompts, max_new_tokens, sampling, stop_ids, owner_base, segment_base,
                      max_tree=int(block_size) - 1, max_guess=int(block_size) - 1, max_pos=max_pos)
     self.block_size, self.mask_id = int(block_size), int(mask_id)
@@ -76,6 +103,11 @@ class OrthrusScheduler(SpecScheduler):
     vis[:G, :G] = self.visible
     self.visible, self.bidir = vis, np.append(self.bidir, True)
     self.block_seg = G
+    self.fused = bool(fused)
+    self.fuse_at = None if fuse_at is None else int(fuse_at)
+    self.draft_owner = self.tree_owner + 1      # the fused step's diffusion queries (scratch)
+    self.owners.append(self.draft_owner)
+    self._fused: tuple | None = None            # a fused plan's (T, anchor j, block rows)
 
   def next_step(self) -> StepPlan | None:
     if self.results is not None:
@@ -99,22 +131,71 @@ class OrthrusScheduler(SpecScheduler):
         return StepPlan(tokens, req.last_pos + np.arange(nb), np.full(nb, g), self.tree_owner,
                         self.visible, self.bidir, relabel=relabel, free_owners=free,
                         scratch=True, spec=ForwardSpec(view=VIEW), tag=("draft", i, k))
-    return super().next_step()
+    plan = super().next_step()
+    self._fused = None
+    if self.fused and plan is not None and plan.tag[0] == "decode":
+      plan = self._fuse(plan, req)
+    return plan
+
+  def _fuse(self, plan: StepPlan, req: Request) -> StepPlan:
+    """``plan`` (the verify step of ``req``) plus the diffusion draft of the next block,
+    anchored at verified draft ``j`` (module docstring); unchanged when nothing fits."""
+    T = np.size(plan.tokens)
+    k = T - 1                                   # drafts verified by this step
+    j = k if self.fuse_at is None else min(self.fuse_at, k)
+    anchor = req.last_pos + j                   # the anchor draft's position
+    # drafts the next block will want if exactly j drafts are accepted (then the bonus)
+    left = self.max_new - len(req.tokens) - (j + 1)
+    budget_next = max(0, min(self.max_tree, self.max_pos - 2 - anchor))
+    want = min(self.block_size - 1, left, budget_next)
+    if j == 0 or want <= 0:
+      return plan
+    nb = want + 1                               # the anchor row predicts the bonus
+    i = plan.tag[1]
+    g = self.block_seg
+    self.visible[g, :] = False
+    self.visible[g, self.seq_segs[i]] = self.visible[g, g] = True
+    self.visible[g, self.tree0:self.tree0 + j - 1] = True   # the chain d_1 .. d_{j-1}
+    tokens = np.concatenate([np.asarray(plan.tokens, np.int64),
+                             [int(np.asarray(plan.tokens)[j])], np.full(nb - 1, self.mask_id)])
+    view = np.zeros(T + nb, bool)
+    view[T:] = True
+    self._fused = (T, j, nb)
+    return dataclasses.replace(
+        plan, tokens=tokens,
+        positions=np.concatenate([np.asarray(plan.positions), anchor + np.arange(nb)]),
+        segments=np.concatenate([np.asarray(plan.segments), np.full(nb, g)]),
+        owners=np.concatenate([np.broadcast_to(np.asarray(plan.owners), (T,)),
+                               np.full(nb, self.draft_owner)]),
+        visible=self.visible, scratch_owners=(self.draft_owner,),
+        spec=ForwardSpec(view=VIEW, query_view=view))
 
   def on_step(self, plan: StepPlan, result: StepResult) -> None:
     kind, i, k = plan.tag
     if kind != "draft":
+      req = self.reqs[i]
+      st = req.extra.setdefault("stats", _zero_stats())
       if kind == "decode":
-        req = self.reqs[i]
-        st = req.extra.setdefault("stats", dict(diffusion_forwards=0, verify_forwards=0))
         st["verify_forwards"] += 1
+        st["fused_drafts"] += int(req.extra.pop("fused_draft", False))
+      fused, self._fused = self._fused, None
       super().on_step(plan, result)
+      if fused is not None and req.finish is None and req.accepted[-1] >= fused[1]:
+        T, j, nb = fused      # row r of the block predicts position anchor + r + 1: the
+        r0 = req.accepted[-1] + 1 - j                 # rows past the bonus are the drafts
+        n = min(nb - r0, self.max_new - len(req.tokens))
+        if n > 0:
+          self._take_draft(req, np.asarray(result.logits)[T + r0:T + r0 + n])
+          req.extra["fused_draft"] = True
       return
     req = self.reqs[i]
     req.forwards += 1
-    req.extra.setdefault("stats", dict(diffusion_forwards=0, verify_forwards=0))
-    req.extra["stats"]["diffusion_forwards"] += 1
-    rows = np.asarray(result.logits)[:k]   # host slice: no device gather compiled per k
+    req.extra.setdefault("stats", _zero_stats())["diffusion_forwards"] += 1
+    self._take_draft(req, np.asarray(result.logits)[:k])  # host slice: no gather compiled per k
+
+  def _take_draft(self, req: Request, rows: np.ndarray) -> None:
+    """The next block's drafts from diffusion rows ``[k, V]`` (row j predicts draft j+1)."""
+    k = rows.shape[0]
     if self.sampling.greedy:
       req.extra["draft"] = (rows.argmax(-1).astype(np.int64).tolist(), None)
       return
@@ -139,10 +220,14 @@ class OrthrusScheduler(SpecScheduler):
   def _finish(self) -> None:
     super()._finish()
     for st in self.stats:
-      st.setdefault("diffusion_forwards", 0)
-      st.setdefault("verify_forwards", 0)
+      for key, v in _zero_stats().items():
+        st.setdefault(key, v)
       st["mean_acceptance_length"] = (float(np.mean(st["accepted"])) + 1.0
                                       if st["accepted"] else 0.0)
+
+
+def _zero_stats() -> dict:
+  return dict(diffusion_forwards=0, verify_forwards=0, fused_drafts=0)
 
 
 _factory = spec_factory(OrthrusScheduler)
