@@ -5,6 +5,8 @@ the pool never holds diffusion K/V (live slots after every step), exact speculat
 instead of the residual on a rejection fails it), the train = decode oracle of the diffusion pass,
 EOS, the adapter round trip and the CLI-facing errors."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,7 +49,12 @@ def _grouped(cases):
   return by_n
 
 
-def test_orthrus_greedy_equals_ar_on_mixed_prompts(models):
+MODES = {"unfused": {}, "fused": dict(fused=True), "fused_at_1": dict(fused=True, fuse_at=1)}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_orthrus_greedy_equals_ar_on_mixed_prompts(models, mode):
+  fused = bool(MODES[mode])
   plain, pert, mask_id = models
   short = [(q, min(n, 20)) for q, n in mixed_prompts(52)]   # the 400-token answer is below
   for model, name, cases in ((plain, "untrained", short),
@@ -55,7 +62,7 @@ def test_orthrus_greedy_equals_ar_on_mixed_prompts(models):
     ref = ar_greedy(model, cases)
     for n, ks in _grouped(cases).items():
       s, _ = spec_run("orthrus", model, [cases[k][0] for k in ks], n, block_size=B,
-                      mask_id=mask_id)
+                      mask_id=mask_id, **MODES[mode])
       for k, r, st in zip(ks, s.results, s.stats):
         assert r.token_ids == ref[k].token_ids, (name, k)
         assert r.finish_reason == "length"
@@ -63,24 +70,32 @@ def test_orthrus_greedy_equals_ar_on_mixed_prompts(models):
         assert st["forwards"] == 1 + st["diffusion_forwards"] + st["verify_forwards"]
         assert st["verify_forwards"] == len(st["accepted"])
         assert st["tokens_per_forward"] == pytest.approx(n / st["forwards"])
-        assert max(st["step_tokens"]) <= B
+        assert max(st["step_tokens"]) <= (2 * B if fused else B)
+        assert st["fused_drafts"] <= (st["verify_forwards"] if fused else 0)
 
 
-def test_orthrus_long_answer_equals_ar(models):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_orthrus_long_answer_equals_ar(models, mode):
   _, pert, mask_id = models
   p = mixed_prompts(4, seed=5)[1][0]
   ref = ar_greedy(pert, [(p, 400)])[0]
-  s, _ = spec_run("orthrus", pert, [p], 400, pages=160, block_size=B, mask_id=mask_id)
+  s, _ = spec_run("orthrus", pert, [p], 400, pages=160, block_size=B, mask_id=mask_id,
+                  **MODES[mode])
   assert s.results[0].token_ids == ref.token_ids
+  if mode == "fused_at_1":   # the perturbed view accepts a first draft often enough
+    assert s.stats[0]["fused_drafts"] > 0
 
 
-def test_pool_never_holds_diffusion_kv(models):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_pool_never_holds_diffusion_kv(models, mode):
   """After a diffusion step the pool holds exactly the committed tokens but the newest (the
-  next root); after a verify step, those plus the root and the verified chain (< B): O(B)."""
+  next root); after a verify step (fused or not), those plus the root and the verified chain
+  (< B): O(B), whatever the sequence length."""
   _, model, mask_id = models
   for p, n in mixed_prompts(5, seed=2):
     eng = engine_for(model)
-    s = make_scheduler("orthrus", eng, [p], max_new_tokens=n, block_size=B, mask_id=mask_id)
+    s = make_scheduler("orthrus", eng, [p], max_new_tokens=n, block_size=B, mask_id=mask_id,
+                       **MODES[mode])
     kinds = []
 
     def check(plan, result, s=s, eng=eng, p=p):
@@ -92,7 +107,9 @@ def test_pool_never_holds_diffusion_kv(models):
         assert plan.scratch and plan.spec.view == VIEW
         assert live == len(p) + len(req.tokens) - 1
       elif kind == "decode" and req.finish is None:
-        chain = np.size(plan.tokens) - 1
+        qv = plan.spec.query_view
+        assert MODES[mode] or qv is None
+        chain = (np.size(plan.tokens) if qv is None else int(np.sum(~np.asarray(qv)))) - 1
         assert chain < B
         n_root = len(p) + len(req.tokens) - 1 - req.accepted[-1]
         assert live == n_root + chain
@@ -215,3 +232,75 @@ def test_view_adapter_round_trip_and_errors(tmp_path):
   from selforch_jax import api
   with pytest.raises(api.ApiError, match="Orthrus adapter"):
     api.resolve_adapter("orthrus", "", "tiny_llama")
+
+
+@pytest.mark.parametrize("fuse_at", [None, 2])
+def test_fused_draft_rows_equal_training_blocks(models, fuse_at):
+  """The fused step's diffusion rows equal the training forward's block that starts at its
+  anchor draft, over the sequence the step assumed (committed + root + drafts up to the
+  anchor), to 1e-5: the fused draft is the trained block layout, so it needs no training of
+  its own."""
+  _, model, mask_id = models
+  checked = 0
+  for p, n in mixed_prompts(4, seed=11):
+    eng = engine_for(model)
+    s = make_scheduler("orthrus", eng, [p], max_new_tokens=n, block_size=B, mask_id=mask_id,
+                       fused=True, fuse_at=fuse_at)
+    seen = []
+
+    def grab(plan, result, seen=seen):
+      qv = plan.spec.query_view
+      if qv is not None and int(np.sum(qv)) == B:
+        T = int(np.sum(~np.asarray(qv)))
+        j = int(plan.positions[T] - plan.positions[0])      # the anchor draft
+        assert j == (T - 1 if fuse_at is None else min(fuse_at, T - 1))
+        seen.append((int(plan.positions[0]), np.asarray(plan.tokens[:j + 1]).tolist(),
+                     np.asarray(result.logits)[T:]))
+    run(eng, s, observer=grab)
+    seq = p + s.results[0].token_ids
+    for pos0, assumed, rows in seen:
+      hyp = seq[:pos0] + assumed                # what the fused draft assumed accepted
+      N, anchor = len(hyp), len(hyp) - 1
+      _, diff = dual_pass_logits(model, jnp.asarray([hyp], jnp.int32), jnp.arange(N)[None],
+                                 jnp.ones((1, N), bool), jnp.asarray([[anchor]], jnp.int32), B,
+                                 mask_id)
+      np.testing.assert_allclose(np.asarray(diff[0, 0]), rows, atol=1e-5, rtol=0)
+      checked += 1
+  assert checked >= 8
+
+
+def _exact_ar_joint(model, prompt, params, V, n):
+  """P(t_1 .. t_n) of AR sampling, ``[V] * n``, by full forwards of every prefix."""
+  from flax import nnx
+  graphdef, state = nnx.split(model)
+  fwd = jax.jit(lambda t: nnx.merge(graphdef, state)(
+      t, jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape),
+      jnp.broadcast_to(jnp.tril(jnp.ones((t.shape[1],) * 2, bool)),
+                       (t.shape[0], t.shape[1], t.shape[1])))[0][:, -1])
+  P = np.ones(())
+  for d in range(n):
+    seqs = np.asarray([prompt + list(x) for x in itertools.product(range(V), repeat=d)],
+                      np.int32)
+    p = verify_mod.target_probs(fwd(seqs), params).reshape([V] * d + [V])
+    P = P[..., None] * p
+  return P
+
+
+def test_fused_sampling_first_four_tokens_match_ar():
+  """Exact speculative sampling with fused drafts: B = 2 and 4 new tokens, so the 4th token
+  is verified against the draft the fused step made; the joint of the 4 tokens is AR's."""
+  V = 4
+  m, mask_id = add_orthrus(tiny_model(vocab_size=V, seed=1))
+  m = _perturbed(m, scale=1.0, seed=4)
+  prompt = [1, 2, 3, 0] * 4
+  params = SamplingParams(temperature=1.0, seed=5)
+  n = 1200
+  s, _ = spec_run("orthrus", m, [prompt] * n, 4, sampling=params, pages=16, block_size=2,
+                  mask_id=mask_id, fused=True)
+  Vm = m.cfg.vocab_size
+  counts = np.zeros((Vm,) * 4)
+  for r in s.results:
+    counts[tuple(r.token_ids)] += 1
+  assert sum(st["fused_drafts"] for st in s.stats) > 0.2 * n
+  pv = _chi2(counts, _exact_ar_joint(m, prompt, params, Vm, 4))
+  assert pv > 1e-3, pv
