@@ -64,7 +64,8 @@ def decode_one(engine, system, ids, new_tokens, stop_ids, opts):
   from selforch_jax.runtime.scheduler import run
   from selforch_jax.runtime.schedulers import make_scheduler
   t0 = time.perf_counter()
-  s = make_scheduler(system, engine, [ids], max_new_tokens=new_tokens, stop_ids=stop_ids, **opts)
+  s = make_scheduler(runtime_of(system), engine, [ids], max_new_tokens=new_tokens,
+                     stop_ids=stop_ids, **opts)
   steps = run(engine, s)
   wall = time.perf_counter() - t0
   for o in s.owners:
@@ -73,10 +74,35 @@ def decode_one(engine, system, ids, new_tokens, stop_ids, opts):
   st = s.stats[0] if getattr(s, "stats", None) else dict(
       forwards=steps, tokens_per_forward=(len(r.token_ids) + (r.finish_reason == "stop"))
       / max(steps, 1), mean_accepted=0.0)
-  return r, dict(forwards=int(st["forwards"]), tokens_per_forward=float(st["tokens_per_forward"]),
-                 mean_accepted=float(st.get("mean_accepted", 0.0)), wall_s=wall,
-                 new_tokens=len(r.token_ids), finish_reason=r.finish_reason,
-                 counterfactual=st.get("counterfactual"))
+  rec = dict(forwards=int(st["forwards"]), tokens_per_forward=float(st["tokens_per_forward"]),
+             mean_accepted=float(st.get("mean_accepted", 0.0)), wall_s=wall,
+             new_tokens=len(r.token_ids), finish_reason=r.finish_reason,
+             counterfactual=st.get("counterfactual"))
+  rec.update({k: st[k] for k in ORTHRUS_FIGURES if k in st})
+  return r, rec
+
+
+ORTHRUS_FIGURES = ("diffusion_forwards", "verify_forwards", "fused_drafts",
+                   "mean_acceptance_length")
+
+
+def runtime_of(system: str) -> str:
+  """The registered runtime of a bench system: ``orthrus_fused`` (``fused=True``, the fused
+  draft anchored at the last draft) and ``orthrus_fused_at<j>`` (``fuse_at=j``) are
+  ``orthrus``."""
+  return "orthrus" if system.startswith("orthrus") else system
+
+
+def orthrus_variant(system: str) -> dict:
+  """The Orthrus options of a bench system name (:func:`runtime_of`)."""
+  if system == "orthrus":
+    return {}
+  if system == "orthrus_fused":
+    return dict(fused=True)
+  if system.startswith("orthrus_fused_at") and system[16:].isdigit():
+    return dict(fused=True, fuse_at=int(system[16:]))
+  raise ValueError(f"unknown Orthrus system {system!r} (orthrus, orthrus_fused, "
+                   "orthrus_fused_at<j>)")
 
 
 def read_records(path):
@@ -142,7 +168,9 @@ def main(argv=None):
   ap.add_argument("--page_size", type=int, default=16)
   ap.add_argument("--orthrus_adapter", default="",
                   help="an Orthrus adapter: its model (base + diffusion view) runs every system, "
-                       "and 'orthrus' in --systems decodes with it")
+                       "and 'orthrus', 'orthrus_fused' (the verify pass fused with the next "
+                       "block's draft, anchored at the last draft) and 'orthrus_fused_at<j>' "
+                       "(anchored at draft j) in --systems decode with it")
   ap.add_argument("--orthrus_block", type=int, default=0, help="orthrus block size (0: the "
                   "adapter's)")
   ap.add_argument("--out", default="out/speculative.json")
@@ -176,11 +204,11 @@ def main(argv=None):
     with open(os.path.join(a.orthrus_adapter, "adapter_config.json")) as f:
       block = a.orthrus_block or int(json.load(f)["block_size"])
     orthrus_opts = dict(block_size=block, mask_id=mask_token_id(model, tok))
-    specs = (ForwardSpec(view=VIEW),)
-  elif "orthrus" in systems:
+    specs = (ForwardSpec(view=VIEW), ForwardSpec(view=VIEW, query_view=np.zeros(1, bool)))
+  elif any(runtime_of(s) == "orthrus" for s in systems):
     ap.error("--systems with orthrus needs --orthrus_adapter=DIR")
-  opts = {s: (dict(orthrus_opts) if s == "orthrus" else cfg.options(s, a.scale))
-          for s in systems}
+  opts = {s: (dict(orthrus_opts, **orthrus_variant(s)) if runtime_of(s) == "orthrus"
+              else cfg.options(s, a.scale)) for s in systems}
   enc = lambda text: tok.encode_chat([{"role": "user", "content": text}])  # noqa: E731
   sets = {s: [enc(t) for t in load_prompts(s, a.n)] for s in a.sets.split(",")}
   max_prompt = max(len(p) for ps in sets.values() for p in ps)
@@ -190,8 +218,8 @@ def main(argv=None):
   # every step bucket (trees, prefills) at every key window: no compile inside a timed run
   # (relabel's page moves widen the key window as an answer grows)
   engine.warm_up(sorted({1, 2, 4, 8, 16, 32, 64} | {len(p) for ps in sets.values() for p in ps}))
-  if specs:   # the diffusion view's block step (its bucket only)
-    engine.warm_up([orthrus_opts["block_size"]], attn_mass=(), specs=specs)
+  if specs:   # the diffusion view's block step and the fused verify + draft step
+    engine.warm_up(range(1, 2 * orthrus_opts["block_size"] + 1), attn_mass=(), specs=specs)
   out = dict(config=dict(vars(a), model="SmolLM2-135M-Instruct (GGUF, float32)", greedy=True,
                          num_pages=pages, options=opts, stop_ids=stop_ids),
              machine=machine_info(), loadavg_start=loadavg(), sets={})
@@ -247,6 +275,8 @@ def main(argv=None):
       acc = [r["mean_accepted"] for r in recs[s]]
       wall = [r["wall_s"] for r in recs[s]]
       d = dict(n=len(tpf), tokens_per_forward=float(np.mean(tpf)), tokens_per_forward_ci=ci(tpf),
+               **{f: float(np.mean([r[f] for r in recs[s]])) for f in ORTHRUS_FIGURES
+                  if all(f in r for r in recs[s])},
                accepted_per_step=float(np.mean(acc)), accepted_per_step_ci=ci(acc),
                wall_s=float(np.mean(wall)),
                tokens_per_s=float(sum(r["new_tokens"] for r in recs[s]) / sum(wall)),
