@@ -52,7 +52,7 @@ def _grouped(cases):
 MODES = {"unfused": {}, "fused": dict(fused=True), "fused_at_1": dict(fused=True, fuse_at=1)}
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", ["unfused", "fused_at_1"])   # "fused": the long answer
 def test_orthrus_greedy_equals_ar_on_mixed_prompts(models, mode):
   fused = bool(MODES[mode])
   plain, pert, mask_id = models
@@ -86,16 +86,19 @@ def test_orthrus_long_answer_equals_ar(models, mode):
     assert s.stats[0]["fused_drafts"] > 0
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+POOL_MODES = dict(MODES, denoise_3=dict(denoise_steps=3))
+
+
+@pytest.mark.parametrize("mode", list(POOL_MODES))
 def test_pool_never_holds_diffusion_kv(models, mode):
-  """After a diffusion step the pool holds exactly the committed tokens but the newest (the
-  next root); after a verify step (fused or not), those plus the root and the verified chain
-  (< B): O(B), whatever the sequence length."""
+  """After a diffusion step (every pass of a multi-step draft) the pool holds exactly the
+  committed tokens but the newest (the next root); after a verify step (fused or not), those
+  plus the root and the verified chain (< B): O(B), whatever the sequence length."""
   _, model, mask_id = models
   for p, n in mixed_prompts(5, seed=2):
     eng = engine_for(model)
     s = make_scheduler("orthrus", eng, [p], max_new_tokens=n, block_size=B, mask_id=mask_id,
-                       **MODES[mode])
+                       **POOL_MODES[mode])
     kinds = []
 
     def check(plan, result, s=s, eng=eng, p=p):
@@ -108,7 +111,7 @@ def test_pool_never_holds_diffusion_kv(models, mode):
         assert live == len(p) + len(req.tokens) - 1
       elif kind == "decode" and req.finish is None:
         qv = plan.spec.query_view
-        assert MODES[mode] or qv is None
+        assert POOL_MODES[mode].get("fused") or qv is None
         chain = (np.size(plan.tokens) if qv is None else int(np.sum(~np.asarray(qv)))) - 1
         assert chain < B
         n_root = len(p) + len(req.tokens) - 1 - req.accepted[-1]
@@ -304,3 +307,113 @@ def test_fused_sampling_first_four_tokens_match_ar():
   assert sum(st["fused_drafts"] for st in s.stats) > 0.2 * n
   pv = _chi2(counts, _exact_ar_joint(m, prompt, params, Vm, 4))
   assert pv > 1e-3, pv
+
+
+DENOISE = {"denoise_2": dict(denoise_steps=2), "denoise_3": dict(denoise_steps=3)}
+
+
+@pytest.mark.parametrize("mode", list(DENOISE))
+def test_multi_step_denoise_greedy_equals_ar_and_counts_passes(models, mode):
+  """denoise_steps = 2, 3: greedy equals AR greedy on 20 mixed prompts (untrained and perturbed
+  view); each block costs min(n, k) diffusion forwards (k its drafts), all counted."""
+  n_steps = DENOISE[mode]["denoise_steps"]
+  plain, pert, mask_id = models
+  for model, cases in ((plain, [(q, min(n, 20)) for q, n in mixed_prompts(20)]),
+                       (pert, [(q, min(n, 24)) for q, n in mixed_prompts(6, seed=9)])):
+    ref = ar_greedy(model, cases)
+    for n, ks in _grouped(cases).items():
+      s, _ = spec_run("orthrus", model, [cases[k][0] for k in ks], n, block_size=B,
+                      mask_id=mask_id, **DENOISE[mode])
+      for k, r, st in zip(ks, s.results, s.stats):
+        assert r.token_ids == ref[k].token_ids, k
+        assert st["forwards"] == 1 + st["diffusion_forwards"] + st["verify_forwards"]
+        assert st["diffusion_forwards"] == sum(min(n_steps, t - 1) for t in st["step_tokens"])
+        assert st["verify_forwards"] == len(st["accepted"]) and st["fused_drafts"] == 0
+
+
+def test_multi_step_passes_equal_training_blocks_with_reveal(models):
+  """Every pass of a 3-step draft equals the training forward's block with the pass's fixed
+  drafts revealed (``dual_pass_logits(reveal=...)``), to 1e-5; each pass fixes more slots, the
+  first is the single-step block, and a pass never unfixes a slot."""
+  _, model, mask_id = models
+  p = mixed_prompts(3, seed=7)[0][0]
+  eng = engine_for(model)
+  s = make_scheduler("orthrus", eng, [p], max_new_tokens=30, block_size=B, mask_id=mask_id,
+                     denoise_steps=3)
+  seen = []
+
+  def grab(plan, result):
+    if plan.tag[0] == "draft":
+      seen.append((int(plan.positions[0]), np.asarray(plan.tokens).tolist(),
+                   np.asarray(result.logits)))
+  run(eng, s, observer=grab)
+  seq = p + s.results[0].token_ids
+  assert len(seen) >= 6 and seen[0][1][1:] == [mask_id] * (B - 1)
+  N = len(seq) + B                    # one padded length: one compiled forward
+  fwd = jax.jit(lambda t, v, s0, r: dual_pass_logits(model, t, jnp.arange(N)[None], v, s0, B,
+                                                     mask_id, reveal=r)[1])
+  for (s0, toks, rows), nxt in zip(seen, seen[1:] + [None]):
+    hyp = seq[:s0] + toks
+    t = np.zeros((1, N), np.int32)
+    t[0, :len(hyp)] = hyp
+    diff = fwd(jnp.asarray(t), jnp.asarray(np.arange(N) < len(hyp))[None],
+               jnp.asarray([[s0]], jnp.int32), jnp.asarray([[np.asarray(toks) != mask_id]]))
+    np.testing.assert_allclose(np.asarray(diff[0, 0]), rows, atol=1e-5, rtol=0)
+    if nxt is not None and nxt[0] == s0:          # the next pass of the same block
+      assert sum(t != mask_id for t in nxt[1]) > sum(t != mask_id for t in toks)
+      assert all(a == b for a, b in zip(toks, nxt[1]) if a != mask_id)
+
+
+def test_multi_step_sampling_first_three_tokens_match_ar():
+  """Exact speculative sampling with 2 denoise passes (B = 4: 3 drafts, fixed 1 then 2 by
+  confidence; the verified prefix is the one fixed in non-decreasing pass order)."""
+  V = 6
+  m, mask_id = add_orthrus(tiny_model(vocab_size=V, seed=1))
+  m = _perturbed(m, scale=1.0, seed=4)
+  prompt = [1, 2, 3, 4, 5, 0] * 3
+  params = SamplingParams(temperature=1.0, seed=3)
+  n = 1000
+  s, _ = spec_run("orthrus", m, [prompt] * n, 3, sampling=params, pages=16, block_size=4,
+                  mask_id=mask_id, denoise_steps=2)
+  Vm = m.cfg.vocab_size
+  counts = np.zeros((Vm, Vm, Vm))
+  for r in s.results:
+    counts[tuple(r.token_ids)] += 1
+  assert sum(sum(st["accepted"]) for st in s.stats) > 0.2 * n
+  assert all(st["diffusion_forwards"] >= 2 for st in s.stats)
+  pv = _chi2(counts, _exact_ar(m, prompt, params, Vm))
+  assert pv > 1e-3, pv
+
+
+def test_denoise_steps_errors(models):
+  _, model, mask_id = models
+  with pytest.raises(ValueError, match="denoise_steps"):
+    make_scheduler("orthrus", engine_for(model), [[1, 2]], max_new_tokens=4, mask_id=mask_id,
+                   denoise_steps=0)
+  with pytest.raises(ValueError, match="fused"):
+    make_scheduler("orthrus", engine_for(model), [[1, 2]], max_new_tokens=4, mask_id=mask_id,
+                   fused=True, denoise_steps=2)
+
+
+def test_reveal_none_and_nothing_revealed_are_the_same_block(models):
+  """block_inputs / dual_pass_logits with a reveal mask of anchors only equal the single-step
+  path exactly; a revealed slot carries the sequence's token."""
+  from selforch_jax.models.orthrus import block_inputs
+  _, model, mask_id = models
+  rng = np.random.default_rng(0)
+  toks = jnp.asarray(rng.integers(0, 200, (2, 20)), jnp.int32)
+  starts = jnp.asarray([[2, 9], [0, 11]], jnp.int32)
+  none = np.zeros((2, 2, 4), bool)
+  a = block_inputs(toks, starts, 4, mask_id)
+  b = block_inputs(toks, starts, 4, mask_id, jnp.asarray(none))
+  np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+  some = none.copy()
+  some[0, 1, 2] = True
+  bt = np.asarray(block_inputs(toks, starts, 4, mask_id, jnp.asarray(some))[0])
+  assert bt[0, 4:8].tolist() == [int(toks[0, 9]), mask_id, int(toks[0, 11]), mask_id]
+  pos, valid = jnp.broadcast_to(jnp.arange(20), (2, 20)), jnp.ones((2, 20), bool)
+  _, d0 = dual_pass_logits(model, toks, pos, valid, starts, 4, mask_id)
+  _, d1 = dual_pass_logits(model, toks, pos, valid, starts, 4, mask_id, reveal=jnp.asarray(none))
+  np.testing.assert_array_equal(np.asarray(d0), np.asarray(d1))
+  with pytest.raises(ValueError, match="reveal"):
+    block_inputs(toks, starts, 4, mask_id, jnp.zeros((2, 2, 3), bool))
