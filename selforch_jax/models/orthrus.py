@@ -84,22 +84,42 @@ def add_orthrus(model: Transformer, tokenizer: Any = None) -> tuple[Transformer,
   return new, mask_id
 
 
-def block_inputs(tokens: jax.Array, starts: jax.Array, block_size: int,
-                 mask_id: int) -> tuple[jax.Array, jax.Array]:
+def block_inputs(tokens: jax.Array, starts: jax.Array, block_size: int, mask_id: int,
+                 reveal: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """The diffusion pass's inputs of every block: ``[x_s, MASK x (B-1)]`` at ``s .. s+B-1``.
+
+  With ``reveal`` (multi-step denoising, MDLM-style partial unmasking: Sahoo et al. 2024, the
+  Orthrus post's multi-step ablation), block slot ``i`` holds the true token ``x_{s+i}`` where
+  ``reveal[.., k, i]`` and the mask elsewhere; slot 0 (the anchor ``x_s``) is always revealed.
+  ``reveal=None`` is the single-step block (this path is unchanged).
 
   Args:
     tokens: int ``[Bt, N]``. starts: int ``[Bt, NB]`` block starts (``0 <= s < N``).
     block_size: B. mask_id: the mask token id.
+    reveal: optional bool ``[Bt, NB, B]``; a revealed slot past ``N - 1`` reads ``x_{N-1}``
+      (such a block is garbage the caller masks out).
 
   Returns:
     ``(block_tokens, block_positions)``, both int32 ``[Bt, NB * B]`` (block-major).
+
+  Raises:
+    ValueError: ``reveal`` is not ``[Bt, NB, B]``.
   """
   Bt, NB = starts.shape
-  x0 = jnp.take_along_axis(tokens, starts, axis=1)                      # [Bt, NB]
-  first = jnp.arange(block_size) == 0
-  btok = jnp.where(first[None, None], x0[:, :, None], mask_id).astype(jnp.int32)
   bpos = (starts[:, :, None] + jnp.arange(block_size)[None, None]).astype(jnp.int32)
+  if reveal is None:
+    x0 = jnp.take_along_axis(tokens, starts, axis=1)                    # [Bt, NB]
+    first = jnp.arange(block_size) == 0
+    btok = jnp.where(first[None, None], x0[:, :, None], mask_id).astype(jnp.int32)
+  else:
+    if tuple(reveal.shape) != (Bt, NB, block_size):
+      raise ValueError(f"reveal must be [Bt, NB, B] = {(Bt, NB, block_size)}, got "
+                       f"{tuple(reveal.shape)}")
+    N = tokens.shape[1]
+    idx = jnp.clip(bpos, 0, N - 1).reshape(Bt, NB * block_size)
+    true = jnp.take_along_axis(tokens, idx, axis=1).reshape(Bt, NB, block_size)
+    show = reveal.astype(bool) | (jnp.arange(block_size) == 0)[None, None]
+    btok = jnp.where(show, true, mask_id).astype(jnp.int32)
   return btok.reshape(Bt, NB * block_size), bpos.reshape(Bt, NB * block_size)
 
 
@@ -131,7 +151,8 @@ def dual_pass_mask(valid: jax.Array, starts: jax.Array, block_size: int) -> tupl
 
 def dual_pass_logits(model: Transformer, tokens: jax.Array, positions: jax.Array,
                      valid: jax.Array, starts: jax.Array, block_size: int,
-                     mask_id: int) -> tuple[jax.Array, jax.Array]:
+                     mask_id: int, reveal: jax.Array | None = None) -> tuple[jax.Array,
+                                                                             jax.Array]:
   """The dual-pass training forward (module docstring).
 
   Args:
@@ -140,6 +161,8 @@ def dual_pass_logits(model: Transformer, tokens: jax.Array, positions: jax.Array
     starts: int ``[Bt, NB]`` block starts in ``[0, N)`` (a block past the valid tokens computes
       garbage the caller masks out).
     block_size: B >= 2. mask_id: the mask token id.
+    reveal: optional bool ``[Bt, NB, B]``: block slots given their true token instead of the
+      mask (:func:`block_inputs`; multi-step denoising). ``None``: the single-step blocks.
 
   Returns:
     ``(ar_logits float32 [Bt, N, V], diff_logits float32 [Bt, NB, B, V])``: row ``i`` of block
@@ -147,7 +170,7 @@ def dual_pass_logits(model: Transformer, tokens: jax.Array, positions: jax.Array
     pass is under ``stop_gradient`` (frozen teacher and keys).
 
   Raises:
-    ValueError: no diffusion view, ``block_size < 2``.
+    ValueError: no diffusion view, ``block_size < 2``, a ``reveal`` of the wrong shape.
   """
   if VIEW not in model.cfg.attn_views:
     raise ValueError(f"dual_pass_logits needs the {VIEW!r} view (add_orthrus)")
@@ -160,7 +183,7 @@ def dual_pass_logits(model: Transformer, tokens: jax.Array, positions: jax.Array
   ar_logits, cache = model(tokens, positions, ar_mask, kv_cache=cache, cache_index=0)
   ar_logits = jax.lax.stop_gradient(ar_logits)
   cache = jax.tree.map(jax.lax.stop_gradient, cache)
-  btok, bpos = block_inputs(tokens, starts, block_size, mask_id)
+  btok, bpos = block_inputs(tokens, starts, block_size, mask_id, reveal)
   diff_logits, _ = model(btok, bpos, diff_mask, kv_cache=cache, cache_index=N, view=VIEW)
   return ar_logits, diff_logits.reshape(Bt, NB, block_size, -1)
 

@@ -39,6 +39,25 @@ separate scratch owner released right after the step (``StepPlan.scratch_owners`
 pool never keeps diffusion K/V. A block whose fused draft is used costs one forward instead of
 two; a fused step has up to ``2B`` queries. Drafts from a smaller ``j`` are usable more often
 but condition on masks where the accepted tokens past ``d_j`` are.
+
+**Multi-step denoising** (``denoise_steps=n > 1``; the Orthrus post's multi-step ablation, the
+MaskGIT / LLaDA confidence-remasking schedule: Chang et al. 2022, Nie et al. 2025 ``generate.py``
+``low_confidence``): step 1 becomes ``n' = min(n, k)`` scratch diffusion passes over the same
+positions (``k`` the block's drafts). Each pass fixes into the block input (the next pass's
+tokens, in place of the mask) the most confident still-masked drafts (confidence = the row's
+max probability: softmax of the logits greedy, ``target_probs`` sampling), ``k (p+1) // n' -
+k p // n'`` of them at pass ``p`` (an equal share; the last pass fills the rest). Greedy fixes
+the argmax. Sampling draws a fixed token from its row's filtered distribution ``q`` at that
+pass and keeps ``q`` as its draft probability. Each pass is a forward (``diffusion_forwards``).
+Verification is unchanged, so greedy stays lossless. **Exact sampling** needs more than "q is
+what the token was drawn from": when an earlier draft ``d_j`` is fixed in a later pass than
+``d_i`` (``j < i``), ``q_j`` depends on ``d_i``, so accepting ``d_j`` tells the verifier
+something about ``d_i`` and ``d_i`` given the accepted prefix is no longer distributed as
+``q_i``. Sampling therefore verifies only the longest prefix ``d_1 .. d_m`` whose fixing passes
+do not decrease (each ``q_i`` then depends on the earlier drafts and on later tokens that are
+not verified, i.e. side information drawn before it; the prefix length is known before
+``d_m``'s draw). Greedy verifies all ``k``. ``fused=True`` with ``denoise_steps > 1`` is an
+error (a fused draft is one pass by construction).
 """
 
 from __future__ import annotations
@@ -71,6 +90,8 @@ class OrthrusScheduler(SpecScheduler):
     fuse_at: the verified draft j >= 1 the fused draft is anchored at (None: the last one,
       usable only when the block is accepted whole; j: usable whenever >= j drafts are
       accepted).
+    denoise_steps: n >= 1 scratch diffusion passes per block (module docstring; 1: one pass,
+      upstream's decoder).
 
   After the run, :attr:`stats` rows have :class:`SpecScheduler`'s figures (``forwards`` counts
   every model forward) plus ``diffusion_forwards``, ``verify_forwards`` and
@@ -79,7 +100,7 @@ class OrthrusScheduler(SpecScheduler):
 
   Raises:
     ValueError: as :class:`SpecScheduler`; ``block_size < 2``; ``mask_id < 0``; ``fuse_at``
-      outside ``[1, block_size)``.
+      outside ``[1, block_size)``; ``denoise_steps < 1``; ``fused`` with ``denoise_steps > 1``.
   """
 
   name = "orthrus"
@@ -88,13 +109,18 @@ class OrthrusScheduler(SpecScheduler):
                sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
                owner_base: int = 0, segment_base: int = 0, *, mask_id: int,
                block_size: int = DEFAULT_BLOCK_SIZE, fused: bool = False,
-               fuse_at: int | None = None, max_pos: int = 1 << 30):
+               fuse_at: int | None = None, denoise_steps: int = 1, max_pos: int = 1 << 30):
     if int(block_size) < 2:
       raise ValueError(f"block_size must be >= 2, got {block_size}")
     if int(mask_id) < 0:
       raise ValueError(f"mask_id must be a token id >= 0, got {mask_id}")
     if fuse_at is not None and not 1 <= int(fuse_at) < int(block_size):
       raise ValueError(f"fuse_at must be in [1, block_size) or None, got {fuse_at}")
+    if int(denoise_steps) < 1:
+      raise ValueError(f"denoise_steps must be >= 1, got {denoise_steps}")
+    if fused and int(denoise_steps) > 1:
+      raise ValueError("fused=True drafts a block in one pass: it cannot take denoise_steps="
+                       f"{denoise_steps} > 1 (use fused=False)")
     super().__init__(prompts, max_new_tokens, sampling, stop_ids, owner_base, segment_base,
                      max_tree=int(block_size) - 1, max_guess=int(block_size) - 1, max_pos=max_pos)
     self.block_size, self.mask_id = int(block_size), int(mask_id)
@@ -105,6 +131,7 @@ class OrthrusScheduler(SpecScheduler):
     self.block_seg = G
     self.fused = bool(fused)
     self.fuse_at = None if fuse_at is None else int(fuse_at)
+    self.denoise_steps = int(denoise_steps)
     self.draft_owner = self.tree_owner + 1      # the fused step's diffusion queries (scratch)
     self.owners.append(self.draft_owner)
     self._fused: tuple | None = None            # a fused plan's (T, anchor j, block rows)
@@ -113,6 +140,12 @@ class OrthrusScheduler(SpecScheduler):
     if self.results is not None:
       return None
     i, req = self.cur, self.reqs[self.cur]
+    dn = req.extra.get("denoise")
+    if dn is not None:                            # a later pass of a multi-step draft
+      nb = len(dn["tokens"])
+      return StepPlan(list(dn["tokens"]), req.last_pos + np.arange(nb),
+                      np.full(nb, self.block_seg), self.tree_owner, self.visible, self.bidir,
+                      scratch=True, spec=ForwardSpec(view=VIEW), tag=("draft", i, dn["k"]))
     if req.tokens and "draft" not in req.extra:
       budget = max(0, min(self.max_tree, self.max_pos - 1 - req.last_pos))
       k = min(self.block_size - 1, budget, self.max_new - len(req.tokens))
@@ -128,6 +161,11 @@ class OrthrusScheduler(SpecScheduler):
         self.visible[g, :] = False
         self.visible[g, self.seq_segs[i]] = self.visible[g, g] = True
         tokens = [req.tokens[-1]] + [self.mask_id] * (nb - 1)
+        if min(self.denoise_steps, k) > 1:
+          req.extra["denoise"] = dict(k=k, tokens=list(tokens), p=0,
+                                      passes=min(self.denoise_steps, k),
+                                      fixed=np.full(k, -1, np.int64), d=np.zeros(k, np.int64),
+                                      q=None)
         return StepPlan(tokens, req.last_pos + np.arange(nb), np.full(nb, g), self.tree_owner,
                         self.visible, self.bidir, relabel=relabel, free_owners=free,
                         scratch=True, spec=ForwardSpec(view=VIEW), tag=("draft", i, k))
@@ -191,7 +229,53 @@ class OrthrusScheduler(SpecScheduler):
     req = self.reqs[i]
     req.forwards += 1
     req.extra.setdefault("stats", _zero_stats())["diffusion_forwards"] += 1
+    if "denoise" in req.extra:
+      self._denoise_pass(req, np.asarray(result.logits)[:k])
+      return
     self._take_draft(req, np.asarray(result.logits)[:k])  # host slice: no gather compiled per k
+
+  def _denoise_pass(self, req: Request, rows: np.ndarray) -> None:
+    """One pass of a multi-step draft (module docstring): fix this pass's share of the most
+    confident still-masked drafts from rows ``[k, V]`` (row j predicts draft j+1, block slot
+    j+1); after the last pass the drafts go to :meth:`propose` (sampling: the prefix whose
+    fixing passes do not decrease)."""
+    dn = req.extra["denoise"]
+    k, n, p = dn["k"], dn["passes"], dn["p"]
+    free = np.flatnonzero(dn["fixed"] < 0)
+    share = len(free) if p == n - 1 else (k * (p + 1)) // n - (k * p) // n
+    if self.sampling.greedy:
+      z = rows[free].astype(np.float64)
+      z = np.exp(z - z.max(-1, keepdims=True))
+      conf = z.max(-1) / z.sum(-1)
+    else:
+      q = target_probs(rows[free], self.sampling)
+      conf = q.max(-1)
+    pick = np.argsort(-conf, kind="stable")[:share]             # into free
+    take = free[pick]
+    if self.sampling.greedy:
+      dn["d"][take] = rows[take].argmax(-1)
+    else:
+      if dn["q"] is None:
+        dn["q"] = np.zeros((k, q.shape[1]))
+      qs = q[pick]
+      c = np.cumsum(qs, axis=-1)
+      u = req.rng.random(len(take))[:, None] * c[:, -1:]
+      dn["d"][take] = np.minimum((c <= u).sum(-1), qs.shape[1] - 1)
+      dn["q"][take] = qs
+    dn["fixed"][take] = p
+    for j in take:
+      dn["tokens"][j + 1] = int(dn["d"][j])
+    dn["p"] = p + 1
+    if dn["p"] < n:
+      return
+    del req.extra["denoise"]
+    d, q = dn["d"].tolist(), dn["q"]
+    if q is not None:       # exact sampling: the prefix whose fixing passes do not decrease
+      m = 1
+      while m < k and dn["fixed"][m] >= dn["fixed"][m - 1]:
+        m += 1
+      d, q = d[:m], q[:m]
+    req.extra["draft"] = (d, q)
 
   def _take_draft(self, req: Request, rows: np.ndarray) -> None:
     """The next block's drafts from diffusion rows ``[k, V]`` (row j predicts draft j+1)."""
