@@ -9,15 +9,18 @@ Run:
   # CE instead of KL (the paper's comparison), a full-copy view (as upstream) instead of low rank:
   python -m selforch_jax.train --config=configs/orthrus.py:loss=ce --workdir=out/orthrus_ce
   python -m selforch_jax.train --config=configs/orthrus.py:view_rank=0 --workdir=out/orthrus_full
+  # multi-step denoising (MDLM-style partially revealed blocks; the paper found single better),
+  # decoded with denoise steps (--config.orthrus.denoise_steps=2):
+  python -m selforch_jax.train --config=configs/orthrus.py:denoise=multi --workdir=out/orthrus_multi
   # decode with the adapter the run writes (<workdir>/adapter unless orthrus.adapter_out is set):
   python -m selforch_jax.decode --config=configs/smollm2_135m.py --config.runtime=orthrus \
       --config.adapter=out/orthrus/adapter --prompt="..."
 
 Arguments (``:k=v,...``): ``model`` (a preset; smollm2_135m loads the GGUF weights, others are
-random with the SmolLM2 tokenizer), ``loss`` (kl | ce), ``block_size``, ``view_rank`` (0 = full
-view copies), ``steps``, ``seq_len``, ``batch_size``, ``sources`` (``gsm8k:N+alpaca:M``; train
-splits only), ``max_new_tokens`` (continuation budget), ``data_path`` (the cache file, relative
-to ``data/``).
+random with the SmolLM2 tokenizer), ``loss`` (kl | ce), ``denoise`` (single | multi),
+``block_size``, ``view_rank`` (0 = full view copies), ``steps``, ``seq_len``, ``batch_size``,
+``sources`` (``gsm8k:N+alpaca:M``; train splits only), ``max_new_tokens`` (continuation budget),
+``data_path`` (the cache file, relative to ``data/``).
 
 Data: the first N rows of GSM8K train and Alpaca (never AlpacaEval, MATH-500 or AIME), each
 continued greedily by the engine (AR, up to ``max_new_tokens``), cached as a chat JSONL with a
@@ -29,9 +32,10 @@ from selforch_jax.trainers.run import defaults
 
 
 def get_config(arg=None):
-  a = config_lib.parse_arg(arg, model="smollm2_135m", loss="kl", block_size=8, view_rank=16,
-                           steps=120, seq_len=320, batch_size=4, sources="gsm8k:96,alpaca:32",
-                           max_new_tokens=128, data_path="orthrus/smollm2_135m_greedy.jsonl")
+  a = config_lib.parse_arg(arg, model="smollm2_135m", loss="kl", denoise="single", block_size=8,
+                           view_rank=16, steps=120, seq_len=320, batch_size=4,
+                           sources="gsm8k:96,alpaca:32", max_new_tokens=128,
+                           data_path="orthrus/smollm2_135m_greedy.jsonl")
   c = defaults()
   c.trainer = "orthrus"
   c.model.preset = a.model
@@ -42,6 +46,7 @@ def get_config(arg=None):
     c.model.tokenizer = "smollm2_gguf"
   c.model.lora_rank = 0
   c.orthrus.loss = a.loss
+  c.orthrus.denoise = a.denoise          # upstream: single
   c.orthrus.block_size = a.block_size    # CPU: 8 (upstream post: 32)
   c.orthrus.view_rank = a.view_rank      # CPU / adapter size: low rank (upstream: full copies)
   c.orthrus.sources = a.sources          # CPU: 128 prompts (upstream: < 1B tokens)

@@ -8,6 +8,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -32,7 +33,7 @@ def _batch(rng, n_rows=2, N=40, prompt=8):
               positions=np.broadcast_to(np.arange(N, dtype=np.int32), (n_rows, N)).copy())
 
 
-def _trainer(loss="kl", low_rank=True, lr=3e-3):
+def _trainer(loss="kl", low_rank=True, lr=3e-3, denoise="single"):
   m, mask_id = add_orthrus(tiny_model())
   if low_rank:
     add_view_delta(m, 4)
@@ -40,7 +41,7 @@ def _trainer(loss="kl", low_rank=True, lr=3e-3):
   o.lr, o.warmup_steps, o.schedule = lr, 0, "constant"
   mesh = shd.make_mesh(-1, 1, 1)
   return OrthrusTrainer(m, mesh, o, 100, block_size=B, mask_id=mask_id, loss=loss,
-                        low_rank=low_rank), m
+                        low_rank=low_rank, denoise=denoise), m
 
 
 @pytest.mark.parametrize("low_rank", [True, False])
@@ -117,3 +118,68 @@ def test_orthrus_run_end_to_end(tmp_path):
     c2 = load_config_file("configs/orthrus.py", arg)
     c2.data.packing = True
     train(c2, str(tmp_path / "bad"))
+
+
+def test_multi_denoise_counts_only_unrevealed_target_rows():
+  """A hand-checked case (B = 4, one row of 13 tokens, blocks at 0, 4, 8, all on response rows):
+  reveal [1,1,0,1] counts row 1 only (rows 0 and 2 predict revealed slots 1 and 3), [1,0,0,0]
+  rows 0..2, [1,1,1,1] none: 4 rows; the sums equal KL / CE over exactly those rows of the
+  dual pass with the reveal, and eval figures stay single-step (equal to a single run's)."""
+  from selforch_jax.models.orthrus import dual_pass_logits
+  N = 13
+  rng = np.random.default_rng(3)
+  tokens = rng.integers(0, 200, (1, N)).astype(np.int32)
+  batch = dict(tokens=tokens, targets=np.roll(tokens, -1, 1),
+               loss_mask=np.ones((1, N), np.int32), segment_ids=np.ones((1, N), np.int32),
+               positions=np.arange(N, dtype=np.int32)[None], offset=np.zeros((1, 1), np.int32))
+  rev = np.asarray([[1, 1, 0, 1, 1, 0, 0, 0, 1, 1, 1, 1]], bool)
+  want = [(0, 1), (1, 0), (1, 1), (1, 2)]                  # (block, row) counted
+  ar = diff = None
+  for loss in ("kl", "ce"):                 # same init: the same dual pass for both losses
+    tr, _ = _trainer(loss=loss, denoise="multi")
+    t = jax.device_get(tr._eval(tr.params, tr.frozen, tr.put_batch(dict(batch, reveal=rev))))
+    assert t["rows"] == len(want) and t["blocks"] == 3
+    if ar is None:
+      m = tr.current_model()
+      fwd = jax.jit(lambda x: dual_pass_logits(
+          m, x, jnp.asarray(batch["positions"]), jnp.ones((1, N), bool),
+          jnp.asarray([[0, 4, 8]]), B, tr.mask_id, reveal=jnp.asarray(rev.reshape(1, 3, B))))
+      ar, diff = fwd(jnp.asarray(tokens))
+      ar, diff = np.asarray(ar[0], np.float64), np.asarray(diff[0], np.float64)
+    tot = 0.0
+    for k, i in want:
+      lq = diff[k, i] - np.log(np.sum(np.exp(diff[k, i] - diff[k, i].max()))) - diff[k, i].max()
+      if loss == "kl":
+        lp = ar[4 * k + i] - np.log(np.sum(np.exp(ar[4 * k + i] - ar[4 * k + i].max()))) \
+            - ar[4 * k + i].max()
+        tot += float(np.sum(np.exp(lp) * (lp - lq)))
+      else:
+        tot += -float(lq[tokens[0, 4 * k + i + 1]])
+    np.testing.assert_allclose(float(t["loss_sum"]), tot, rtol=2e-4)
+  single, _ = _trainer(loss="ce")
+  b = {k: v for k, v in batch.items()}
+  assert tr.eval_loss([b]) == single.eval_loss([b])        # eval reveals nothing
+
+
+def test_multi_denoise_trains_only_the_view_and_draws_reveal_from_seed_and_step():
+  from selforch_jax.trainers.orthrus import draw_reveal
+  r1, r2 = draw_reveal(0, 5, 3, 7, B), draw_reveal(0, 5, 3, 7, B)
+  np.testing.assert_array_equal(r1, r2)
+  assert r1.shape == (3, 7 * B) and r1.reshape(3, 7, B)[:, :, 0].all()
+  assert not np.array_equal(r1, draw_reveal(0, 6, 3, 7, B))
+  assert 0.2 < draw_reveal(1, 0, 64, 8, B).reshape(64, 8, B)[:, :, 1:].mean() < 0.8   # E = 1/2
+  tr, _ = _trainer(denoise="multi")
+  with pytest.raises(ValueError, match="denoise"):
+    _trainer(denoise="many")
+  frozen0 = jax.tree.map(np.asarray, nnx.to_pure_dict(tr.frozen))
+  params0 = jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params))
+  batch = _batch(np.random.default_rng(0))
+  put = tr.put_batch(batch)
+  assert put["reveal"].shape == (2, ((40 - 1) // B) * B)
+  losses = [tr.train_step(batch)["loss"] for _ in range(6)]
+  assert all(np.isfinite(losses))
+  jax.tree.map(np.testing.assert_array_equal, frozen0,
+               jax.tree.map(np.asarray, nnx.to_pure_dict(tr.frozen)))
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != np.asarray(b))), params0,
+                                       nnx.to_pure_dict(tr.params)))
+  assert any(moved)

@@ -10,7 +10,7 @@ import os
 import ml_collections
 
 from selforch_jax import config_lib
-from selforch_jax.trainers.orthrus import LOSSES
+from selforch_jax.trainers.orthrus import DENOISE, LOSSES
 
 
 def validate_orthrus(config: ml_collections.ConfigDict) -> None:
@@ -21,6 +21,8 @@ def validate_orthrus(config: ml_collections.ConfigDict) -> None:
     raise config_lib.ConfigError(f"orthrus.block_size={o.block_size} must be >= 2")
   if o.loss not in LOSSES:
     raise config_lib.ConfigError(f"orthrus.loss={o.loss!r} must be one of {LOSSES}")
+  if o.denoise not in DENOISE:
+    raise config_lib.ConfigError(f"orthrus.denoise={o.denoise!r} must be one of {DENOISE}")
   if o.view_rank < 0:
     raise config_lib.ConfigError(f"orthrus.view_rank={o.view_rank} must be >= 0 (0 = full view)")
   if o.max_new_tokens < 1:
@@ -71,7 +73,8 @@ def build_orthrus(config, workdir: str):
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   trainer = OrthrusTrainer(model, mesh, config.optim, config.train.steps,
                            block_size=int(o.block_size), mask_id=mask_id, loss=o.loss,
-                           low_rank=bool(o.view_rank), seed=config.train.seed)
+                           low_rank=bool(o.view_rank), seed=config.train.seed,
+                           denoise=o.denoise)
   train_ds = make_dataset(config.data, tok, "train", config.data.shuffle_seed)
   eval_ds = None
   if config.train.eval_every > 0:

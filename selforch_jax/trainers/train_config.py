@@ -46,10 +46,11 @@ def defaults() -> ml_collections.ConfigDict:
   from selforch_jax.trainers.grpo_config import grpo_defaults
   # Orthrus (trainers/orthrus.py): diffusion block, loss (kl | ce), view_rank (0 = full view
   # copies, else a low-rank delta), the continuation cache's sources ("gsm8k:96,alpaca:32"; ""
-  # = data.path is given), its token budget and batch, and where the adapter goes
+  # = data.path is given), its token budget and batch, where the adapter goes, and denoise
+  # (single | multi: MDLM-style partially revealed blocks, trainers/orthrus.py)
   orthrus = ml_collections.ConfigDict(dict(
       block_size=8, loss="kl", view_rank=16, sources="", max_new_tokens=128, gen_batch_size=16,
-      adapter_out=""))
+      adapter_out="", denoise="single"))
   # Planned Diffusion (trainers/planned_diffusion.py): t's lower end, upstream's AR/t flag, dense
   # attention inside a round, the synthetic cities records written to the workdir (cities_n
   # examples of seed cities_seed; 0 = data.path), upstream's ablations, where the adapter goes;
