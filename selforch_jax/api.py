@@ -260,7 +260,8 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
       PASTA run their own batches inside one job).
     options: the runtime's own options (PASTA: cap, constrain_tags, max_threads,
       max_topic_tokens; SoT: skeleton_tokens, point_tokens, max_points; APAR: child_tokens,
-      max_forks; streaming_llm / h2o: budget, n_sink, recent_ratio; orthrus: block_size, fused, fuse_at;
+      max_forks; streaming_llm / h2o: budget, n_sink, recent_ratio; orthrus: block_size, fused,
+      fuse_at, denoise_steps;
       planned_diffusion: :data:`PD_OPTIONS`; sol: ``policy`` (a SOL adapter directory, or
       ``(policy, grid, sparsity)``) and ``budget`` (``"kappa,rho,bits"``, default
       ``0.5,0.8,8``)).
@@ -348,6 +349,8 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
         kw["fused"] = bool(options["fused"])
       if options.get("fuse_at"):
         kw["fuse_at"] = int(options["fuse_at"])
+      if "denoise_steps" in options:
+        kw["denoise_steps"] = int(options["denoise_steps"])
     elif runtime == "sol":
       kw.update(policy=sol_policy[0], grid=sol_policy[1], sparsity=sol_policy[2],
                 budget=options.get("budget", "0.5,0.8,8"))

@@ -150,3 +150,16 @@ def test_speculative_runtimes_through_the_api_equal_ar(tiny, runtime):
     assert 1 <= b.forwards <= per_step * (len(b.token_ids) + 1)
     assert b.tokens_per_forward == pytest.approx(len(b.token_ids) / b.forwards)
     assert b.figures["mean_accepted"] >= 0.0
+
+
+def test_orthrus_denoise_steps_option_through_the_api(tiny):
+  """``options={"denoise_steps": 2}`` reaches the Orthrus scheduler: the same tokens as AR, and
+  two diffusion passes per block of >= 2 drafts (more diffusion than verify forwards)."""
+  model, tok = tiny
+  model, _ = add_orthrus(model)
+  prompts = [tok.encode("ab ab ab ab ab ab ab ab")]
+  a = api.decode_ids(model, tok, prompts, runtime="ar", max_new_tokens=20)[0]
+  o = api.decode_ids(model, tok, prompts, runtime="orthrus", max_new_tokens=20,
+                     options={"denoise_steps": 2})[0]
+  assert o.token_ids == a.token_ids
+  assert o.figures["diffusion_forwards"] > o.figures["verify_forwards"]

@@ -54,6 +54,8 @@ HELP = {
     "orthrus.block_size": "orthrus: diffusion block B (1 verified root + B-1 drafts per verify)",
     "orthrus.fused": "orthrus: fuse each verify pass with the next block's diffusion draft",
     "orthrus.fuse_at": "orthrus: anchor the fused draft at verified draft j (0 = the last one)",
+    "orthrus.denoise_steps": "orthrus: diffusion passes per block, each fixing the most "
+                             "confident drafts (1 = one pass; > 1 needs fused=False)",
     "sol.budget": "sol: target budget 'kappa,rho,bits' (attention keep, MLP channel keep, MLP "
                   "output bits)",
     "planned_diffusion.steps_ratio": "planned_diffusion: denoising steps per token of the "
@@ -95,7 +97,8 @@ def defaults() -> ml_collections.ConfigDict:
       sampling=dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0),
       sot=dict(skeleton_tokens=96, point_tokens=64, max_points=10),
       apar=dict(child_tokens=64, max_forks=8),
-      orthrus=dict(block_size=8, fused=False, fuse_at=0),   # block: CPU (configs/orthrus.py)
+      orthrus=dict(block_size=8, fused=False, fuse_at=0,    # block: CPU (configs/orthrus.py)
+                   denoise_steps=1),
       sol=dict(budget="0.5,0.8,8"),
       planned_diffusion=dict(steps_ratio=1.0, confidence="entropy", threshold=0.0,
                              max_promises=8, max_rounds=4, plan_cap=96, full_diffusion=0),
@@ -195,7 +198,8 @@ def options(config: ml_collections.ConfigDict) -> dict:
     return {"budget": int(config.budget)}
   if rt == "orthrus":
     return {"block_size": int(config.orthrus.block_size), "fused": bool(config.orthrus.fused),
-            "fuse_at": int(config.orthrus.fuse_at)}
+            "fuse_at": int(config.orthrus.fuse_at),
+            "denoise_steps": int(config.orthrus.denoise_steps)}
   if rt == "sol":
     from selforch_jax import api
     return {"budget": str(config.sol.budget),
