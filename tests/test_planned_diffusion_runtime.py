@@ -278,3 +278,33 @@ def test_decode_cli_options():
   c.planned_diffusion.threshold = 0.0
   assert decode_run.options(c)["threshold"] is None
   assert "planned_diffusion.plan_cap" in decode_run.help_text()
+
+
+def _drive_chunk(pad_last):
+  """One teacher-forced chunk of 4 slots whose answer is [101, 102, 103, PAD], under a scripted
+  denoiser that (as a small model does) predicts the filler at slot 2 with high confidence while
+  slot 1 is still masked, and 103 there once slot 1 is known. Returns the chunk's final tokens."""
+  s = pd.PlannedDiffusionScheduler([_plan_prompt([70, 71, 72], (2,))], TV, 40, stop_ids=[EOS],
+                                   length_unit=UNIT, vocab_size=V, steps_ratio=1.0,
+                                   pad_last=pad_last)
+  while (plan := s.next_step()) is not None:
+    T = len(plan.tokens)
+    lg = np.zeros((T, V), np.float32)
+    lg[:, EOS] = 10.0                         # AR rows (the sync step): end
+    kind, info, _ = plan.tag
+    if kind == "denoise":
+      for _, c, first in info:
+        want = [101, 102, 103 if not c.masked[1] else TV.pad, TV.pad]
+        for j, tok in enumerate(want):
+          lg[first + j] = 0.0
+          lg[first + j, tok] = 12.0 if tok == TV.pad else 6.0
+    s.on_step(plan, StepResult(logits=jnp.asarray(lg), slots=np.arange(T), released_pages=[]))
+  resp = s.results[0].token_ids
+  return resp[resp.index(TV.async_open) + 1:resp.index(TV.async_close)]
+
+
+def test_pad_last_commits_content_before_filler():
+  # confidence order alone commits the confident [PAD] at slot 2 first and cuts the content;
+  # pad_last commits every content prediction first, and slot 2 is then re-predicted as 103
+  assert _drive_chunk(pad_last=False) == [101, 102, TV.pad, TV.pad]
+  assert _drive_chunk(pad_last=True) == [101, 102, 103, TV.pad]

@@ -22,7 +22,12 @@ every token):
    committed (:mod:`selforch_jax.runtime.diffusion_unmask`: entropy / margin / prob confidence),
    all of them at the last iteration (Dream); or, with ``threshold`` (Fast-dLLM, Wu et al.
    2025), every masked position whose top probability is ``>= threshold``, at least the most
-   confident one, until none is masked. Chunk tokens are the argmax over non-tag tokens and
+   confident one, until none is masked. ``pad_last`` (off by default, as upstream): positions
+   whose argmax is ``[PAD]`` rank after every position whose argmax is content (with the
+   threshold: they are committed only when no content prediction is left), so the confident
+   filler at a chunk's tail cannot be committed before the content it would cut (a chunk's
+   length is only known once its content is: confidence order alone commits the tail's
+   ``[PAD]`` first and ends sentences early, as LLaDA reports for EOS). Chunk tokens are the argmax over non-tag tokens and
    ``[PAD]`` (a chunk cannot write a tag or a stop token, so its layout never changes).
 4. **Sync**: one non-scratch step writes the final state of every chunk (its clean K/V) and
    ``<sync/>`` (seeing those chunks, in the same step); its logits give the next AR token.
@@ -88,7 +93,8 @@ from selforch_jax.runtime.scheduler import Scheduler, StepPlan, StepResult
 __all__ = ["PlannedDiffusionScheduler", "chunk_predictions", "DEFAULTS"]
 
 DEFAULTS = dict(steps_ratio=1.0, eps=1e-3, confidence="entropy", threshold=None, max_promises=8,
-                max_rounds=4, plan_cap=96, default_length=2, max_length=8, full_diffusion=None)
+                max_rounds=4, plan_cap=96, default_length=2, max_length=8, full_diffusion=None,
+                pad_last=False)
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
@@ -204,6 +210,7 @@ class PlannedDiffusionScheduler(Scheduler):
       :func:`selforch_jax.lang.planned_diffusion.dense_round_mask`).
     full_diffusion: None, or L >= 1: the Dream-style baseline (module docstring): the whole
       answer is one chunk of ``min(L, max_new_tokens - 2)`` masks, no plan.
+    pad_last: commit ``[PAD]`` predictions after every content prediction (module docstring).
     cap, length_unit: parser settings (10 tokens per promise unit).
     owner_base / segment_base: first owner / segment id this job uses.
 
@@ -227,7 +234,7 @@ class PlannedDiffusionScheduler(Scheduler):
                max_length: int = DEFAULTS["max_length"], cap: int | None = DEFAULT_CAP,
                length_unit: int = TOKENS_PER_UNIT, owner_base: int = 0, segment_base: int = 0,
                vocab_size: int | None = None, full_attention: bool = False,
-               full_diffusion: int | None = None):
+               full_diffusion: int | None = None, pad_last: bool = False):
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("PlannedDiffusionScheduler needs at least one prompt, none empty")
     if max_new_tokens < 1:
@@ -263,6 +270,7 @@ class PlannedDiffusionScheduler(Scheduler):
     self.plan_cap, self.max_length = int(plan_cap), int(max_length)
     self.length_unit = int(length_unit)
     self.full_attention = bool(full_attention)
+    self.pad_last = bool(pad_last)
     self.full_diffusion = None if full_diffusion is None else int(full_diffusion)
     digits = str(int(default_length))
     self.default_len = ([tv.space_ids[0]] if tv.space_ids else []) + \
@@ -592,10 +600,15 @@ class PlannedDiffusionScheduler(Scheduler):
       if m == 0:
         continue
       ct, cc, cp = tok[off:off + c.length], conf[off:off + c.length], top[off:off + c.length]
+      cand = c.masked
+      if self.pad_last:           # content first: [PAD] predictions rank after all content
+        content = c.masked & (ct != self.tv.pad)
+        cand = content if content.any() else c.masked
+        cc = np.where(ct == self.tv.pad, cc - 1e9, cc)
       if self.threshold is not None:
-        commit = c.masked & (cp >= self.threshold)
+        commit = cand & (cp >= self.threshold)
         if not commit.any():
-          commit[int(np.argmax(np.where(c.masked, cc, -np.inf)))] = True
+          commit[int(np.argmax(np.where(cand, cc, -np.inf)))] = True
       else:
         ts = np.linspace(1.0, self.eps, r.steps + 1)
         i = min(r.step_i, r.steps - 1)
