@@ -111,10 +111,13 @@ def _logged_step(config, step: int) -> int:
 
 
 def _training_sections(config) -> dict:
-  """The run's sections for the model card: ``optim``, ``train`` and ``data`` (SFT) or the
+  """The run's sections for the model card: ``optim``, ``train`` and ``data`` (SFT; Planned
+  Diffusion also its ``planned_diffusion`` section: eps, ablations, init_adapter) or the
   policy-optimization section (``grpo`` / ``bonbon``: its prompts, lambda, init_from)."""
   trainer = config.get("trainer", "sft")
   keys = ("optim", "train", trainer) if trainer in ("grpo", "bonbon") else ("data", "optim", "train")
+  if trainer == "planned_diffusion":
+    keys += ("planned_diffusion",)
   return {k: config[k].to_dict() for k in keys if k in config}
 
 

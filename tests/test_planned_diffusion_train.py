@@ -96,9 +96,32 @@ def test_run_loss_falls_resume_and_adapter(tmp_path):
   want = load_file(os.path.join(out["adapter"], "adapter.safetensors"))
   got = load_file(os.path.join(out3["adapter"], "adapter.safetensors"))
   assert sorted(got) == sorted(want)
+  with open(os.path.join(out3["adapter"], "adapter_config.json")) as f:
+    card = json.load(f)["training"]
+  assert card["planned_diffusion"]["init_adapter"] == out["adapter"]
   for k in want:
     np.testing.assert_allclose(got[k], want[k], atol=1e-6, err_msg=k)
   with pytest.raises(ValueError, match="lora_rank"):
     c4 = load_config_file("configs/planned_diffusion.py", arg.replace("steps=6", "steps=1")
                           + f",lora_rank=4,init_adapter={out['adapter']}")
     train(c4, str(tmp_path / "rank4"))
+
+
+def test_eval_noise_is_fixed_across_steps(tmp_path):
+  """Eval losses at different steps see the same noisy inputs (batch j's noise is (seed, eval
+  stream, j), not the step's): same params -> same eval loss at step 0 and step 7; training
+  steps still draw per step."""
+  import itertools
+
+  from selforch_jax.trainers.planned_diffusion_run import build_pd
+  c = load_config_file("configs/planned_diffusion.py",
+                       "model=tiny_smollm2,steps=8,seq_len=384,batch_size=2,n=16")
+  c.data.eval_fraction = 0.25
+  trainer, _, _, eval_ds, ckpt = build_pd(c, str(tmp_path / "run"))
+  ckpt.close()
+  batches = list(itertools.islice(iter(eval_ds), 2))
+  at0 = trainer.eval_loss(batches)
+  trainer.step = 7
+  at7 = trainer.eval_loss(batches)
+  assert at0 == at7 and at0["eval_diff_ce"] > 0
+  assert not np.array_equal(trainer.noise_key(0, 2), trainer.noise_key(7, 2))

@@ -19,7 +19,9 @@ decodes with). On the host (:func:`pd_row_masks`) each row's positions are class
 ``full_attention`` (upstream's dense-attention ablation): the chunks of a round see each other
 too (:func:`~selforch_jax.lang.planned_diffusion.dense_round_mask`; the scheduler's
 ``full_attention`` option decodes the same way).
-The noise draw of a step comes from ``(seed, step)`` (a resumed run draws the same).
+The noise draw of a step comes from ``(seed, step)`` (a resumed run draws the same); the noise
+of evaluation batch j comes from ``(seed, EVAL_NOISE, j)`` whatever the step, so eval losses at
+different steps are of the same noisy inputs (t and the masked positions) and comparable.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from selforch_jax.trainers.sft import SFTTrainer
 __all__ = ["PlannedDiffusionTrainer", "pd_row_masks", "PD_BATCH_KEYS"]
 
 PD_BATCH_KEYS = ("tokens", "targets", "positions", "mask", "ar_mask", "chunk_input", "noise_key")
+EVAL_NOISE = 0x6576616C   # the eval noise stream's salt (never a training step)
 
 
 def pd_row_masks(tokens: np.ndarray, targets: np.ndarray, loss_mask: np.ndarray,
@@ -121,17 +124,27 @@ class PlannedDiffusionTrainer(SFTTrainer):
     if self.full_attention:
       b["mask"] = dense_round_mask(b["tokens"], b["mask"], self.tv)
     if "noise_key" not in b:
-      key = jax.random.key_data(jax.random.fold_in(jax.random.PRNGKey(self.seed), self.step))
-      Bt = np.asarray(b["tokens"]).shape[0]
-      b["noise_key"] = np.tile(np.asarray(key, np.uint32)[None], (Bt, 1))
+      b["noise_key"] = self.noise_key(self.step, np.asarray(b["tokens"]).shape[0])
     b["ar_mask"] = np.asarray(b["ar_mask"], np.int32)
     b["chunk_input"] = np.asarray(b["chunk_input"], np.int32)
     return super().put_batch(b)
 
+  def noise_key(self, step: int, rows: int, stream: int | None = None) -> np.ndarray:
+    """The noise key of a batch: uint32 ``[rows, 2]`` (the same key on every row; the step
+    reads row 0), from ``(seed, step)``, or ``(seed, stream, step)`` for another stream."""
+    key = jax.random.PRNGKey(self.seed)
+    if stream is not None:
+      key = jax.random.fold_in(key, stream)
+    key = jax.random.key_data(jax.random.fold_in(key, int(step)))
+    return np.tile(np.asarray(key, np.uint32)[None], (int(rows), 1))
+
   def eval_loss(self, batches) -> dict[str, float]:
-    """``eval_loss`` (joint, per loss token), ``eval_ar_ce``, ``eval_diff_ce`` over the batches."""
+    """``eval_loss`` (joint, per loss token), ``eval_ar_ce``, ``eval_diff_ce`` over the batches;
+    batch j's noise is ``(seed, EVAL_NOISE, j)`` at every step (module docstring)."""
     tot: dict[str, float] = {}
-    for b in batches:
+    for j, b in enumerate(batches):
+      b = dict(b)
+      b.setdefault("noise_key", self.noise_key(j, np.asarray(b["tokens"]).shape[0], EVAL_NOISE))
       m = jax.device_get(self._eval(self.params, self.frozen, self.put_batch(b)))
       for k, v in m.items():
         tot[k] = tot.get(k, 0.0) + float(v)
