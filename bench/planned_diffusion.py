@@ -6,7 +6,9 @@ Systems (each one engine, batch 1, greedy; after ``--warmup`` untimed answers of
 the systems alternate per example, so all see the same machine load):
 
 * ``pd``: the Planned Diffusion adapter (``--pd_adapter``) with the planned_diffusion runtime
-  (``--steps_ratio``, ``--confidence``); its de-tagged logical text is scored;
+  (``--steps_ratio``, ``--confidence``, or ``--threshold``: Fast-dLLM's confidence threshold;
+  ``--pad_last``: ``[PAD]`` predictions are committed after every content prediction);
+  its de-tagged logical text is scored;
 * ``ar``: the AR-SFT adapter (``--ar_adapter``, trained on the same records with the tags
   stripped) with plain AR decoding (``""`` skips it; speedups need it);
 * ``pasta``: a PASTA adapter (``--pasta_adapter``, e.g. ``configs/planned_diffusion.py:pasta``)
@@ -32,6 +34,12 @@ no parser rule or guard applied; AR and Dream: always); vs AR (paired over the s
 quality differences, speedup = mean AR wall / mean system wall and critical-path ratio = mean
 system path / mean AR path (bootstrap of the ratio of means). Load averages before and after
 are recorded (2 shared cores: other jobs slow every system).
+
+``--ar_from=JSON`` takes the AR-SFT system's records from an earlier run of this benchmark on the
+same examples (same task, seed, offset and token budget; paired by example index) instead of
+decoding them again (AR greedy is deterministic: its texts, scores and critical paths are those
+of a rerun; its wall-clock was measured in that run, under that run's load, which the JSON
+records as ``ar_from``).
 
 Run:
   python bench/planned_diffusion.py --pd_adapter=adapters/pd_smollm2_135m \
@@ -104,7 +112,8 @@ class System:
     self.kw = dict(max_new_tokens=self.max_new, sampling=SamplingParams(),
                    stop_ids=eos_ids(self.tok))
     if name in ("pd", "dream"):
-      self.kw.update(tag_vocab=self.tv, steps_ratio=args.steps_ratio, confidence=args.confidence)
+      self.kw.update(tag_vocab=self.tv, steps_ratio=args.steps_ratio, confidence=args.confidence,
+                     threshold=args.threshold or None, pad_last=args.pad_last)
     if name == "dream":
       self.kw["full_diffusion"] = args.dream
 
@@ -226,11 +235,36 @@ def pareto(out: dict, path: str) -> str | None:
                      title=f"{out['task']}: n={systems['ar']['n_answers']}, batch 1, greedy")
 
 
+def earlier_ar(path: str, args) -> dict:
+  """The AR-SFT records of an earlier run's JSON (``--ar_from``), checked to be of the same
+  examples and budget: ``{"records", "path", "command", "load_before", "load_after"}``.
+
+  Raises:
+    SystemExit: (argparse-style) the JSON has no AR records or other examples / budget.
+  """
+  with open(path, encoding="utf-8") as f:
+    prev = json.load(f)
+  recs = prev.get("records", {}).get("ar")
+  if not recs:
+    raise SystemExit(f"--ar_from={path}: no AR records in it")
+  for k in ("task", "seed", "offset", "max_new_tokens", "prompt_tokens"):
+    have, want = prev["args"].get(k), getattr(args, k)
+    if k == "task":
+      have = prev.get("task")
+    if have is not None and have != want:
+      raise SystemExit(f"--ar_from={path}: {k}={have!r} there, {want!r} here (other examples "
+                       "or budget)")
+  return dict(records=recs, path=path, command=prev.get("command"),
+              load_before=prev.get("load_before"), load_after=prev.get("load_after"))
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--task", default="cities", choices=TASKS)
   ap.add_argument("--pd_adapter", default="adapters/pd_smollm2_135m")
   ap.add_argument("--ar_adapter", default="")
+  ap.add_argument("--ar_from", default="",
+                  help="the AR-SFT records of an earlier run (its JSON) instead of --ar_adapter")
   ap.add_argument("--pasta_adapter", default="")
   ap.add_argument("--dream", type=int, default=0,
                   help="Dream-style baseline with this many masks (0 = off)")
@@ -241,6 +275,11 @@ def main(argv=None):
   ap.add_argument("--max_new_tokens", type=int, default=400)
   ap.add_argument("--steps_ratio", type=float, default=0.5)
   ap.add_argument("--confidence", default="entropy")
+  ap.add_argument("--pad_last", action="store_true",
+                  help="PD / Dream: commit [PAD] predictions after every content prediction")
+  ap.add_argument("--threshold", type=float, default=0.0,
+                  help="PD / Dream: Fast-dLLM unmasking, every masked position whose top "
+                       "probability is >= this per step (0 = off: steps_ratio's schedule)")
   ap.add_argument("--n_boot", type=int, default=10000)
   ap.add_argument("--max_minutes", type=float, default=0.0,
                   help="stop starting new examples after this many minutes (0 = no limit)")
@@ -251,6 +290,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.n < 1 or args.warmup < 0 or args.dream < 0:
     ap.error("--n must be >= 1, --warmup and --dream >= 0")
+  if not 0.0 <= args.threshold <= 1.0:
+    ap.error("--threshold must be in [0, 1] (0 = off)")
   from selforch_jax.adapter import load_adapter
 
   examples, warm = _examples(args)
@@ -261,6 +302,11 @@ def main(argv=None):
   if args.dream:
     loaded["dream"] = loaded["pd"]
   systems = {s: System(s, m, args.prompt_tokens, args) for s, m in loaded.items()}
+  ar_prev = None
+  if args.ar_from:
+    if args.ar_adapter:
+      ap.error("--ar_from and --ar_adapter exclude each other")
+    ar_prev = earlier_ar(args.ar_from, args)
   nll = None
   if args.task == "alpaca":
     import ml_collections
@@ -279,9 +325,14 @@ def main(argv=None):
     for s, sy in systems.items():
       sy.decode(prompts[s][len(examples) + i])
   records = {s: [] for s in systems}
+  if ar_prev is not None:
+    records["ar"] = []
   for i, ex in enumerate(examples):     # systems alternate per example: same machine load
     if i and args.max_minutes and time.time() - t0 > 60 * args.max_minutes:
       print(f"time budget reached after {i} examples", file=sys.stderr)
+      break
+    if ar_prev is not None and i >= len(ar_prev["records"]):
+      print(f"--ar_from holds {i} examples: stopping there", file=sys.stderr)
       break
     for s, sy in systems.items():
       r = sy.decode(prompts[s][i])
@@ -296,6 +347,8 @@ def main(argv=None):
       records[s].append(r)
       print(f"{s} {i + 1}/{len(examples)} {msg} wall {r['wall_s']:.1f}s "
             f"path {r['critical_path']}", file=sys.stderr, flush=True)
+    if ar_prev is not None:
+      records["ar"].append(dict(ar_prev["records"][i]))
   out = dict(
       task=args.task,
       task_note=("synthetic_cities (selforch_jax.data.synthetic_cities), k = 2..6"
@@ -305,6 +358,8 @@ def main(argv=None):
       args=vars(args), machine=machine_info(), load_before=load_before, load_after=loadavg(),
       elapsed_s=time.time() - t0, n_done=len(records["pd"]),
       systems={s: summarize(r, args.task, args.n_boot, 0) for s, r in records.items()})
+  if ar_prev is not None:
+    out["ar_from"] = {k: ar_prev[k] for k in ("path", "command", "load_before", "load_after")}
   if "ar" in records:
     out["vs_ar"] = {s: versus_ar(r, records["ar"], args.task, args.n_boot)
                     for s, r in records.items() if s != "ar"}

@@ -72,3 +72,37 @@ def test_bench_smoke(tmp_path, tiny_adapter, task):
     assert all(r["nll"] is None or r["nll"] > 0 for r in ar)
   assert (tmp_path / "pd.png").stat().st_size > 1000
   assert out["command"].startswith("python bench/planned_diffusion.py")
+
+
+
+def test_bench_threshold_and_ar_from(tmp_path, tiny_adapter):
+  """--threshold (Fast-dLLM unmasking) reaches the PD scheduler's options and the JSON (out of
+  range is an error); --ar_from reuses an earlier run's AR records (other examples: an error)."""
+  import argparse
+
+  from selforch_jax.adapter import load_adapter
+  bench = _load_bench()
+  args = argparse.Namespace(max_new_tokens=20, steps_ratio=0.5, confidence="entropy",
+                            threshold=0.9, dream=0, pad_last=True)
+  kw = bench.System("pd", load_adapter(tiny_adapter), 400, args).kw
+  assert kw["threshold"] == 0.9 and kw["pad_last"] is True
+  args.threshold = 0.0
+  assert bench.System("pd", load_adapter(tiny_adapter), 400, args).kw["threshold"] is None
+  common = ["--task=cities", f"--pd_adapter={tiny_adapter}", "--warmup=0",
+            "--max_new_tokens=20", "--n_boot=50", "--prompt_tokens=400"]
+  first = bench.main(common + [f"--ar_adapter={tiny_adapter}", "--n=2",
+                               f"--out={tmp_path / 'first.json'}"])
+  # --ar_from: the AR records of that run, paired by example; PD decoded with the threshold;
+  # a larger --n stops where the earlier run's records end
+  out = bench.main(common + ["--n=3", "--threshold=0.9", f"--ar_from={tmp_path / 'first.json'}",
+                             f"--out={tmp_path / 'thr.json'}"])
+  assert out["args"]["threshold"] == 0.9 and out["n_done"] == 2
+  assert out["records"]["ar"] == first["records"]["ar"]
+  assert out["ar_from"]["path"] == str(tmp_path / "first.json")
+  assert out["vs_ar"]["pd"]["critical_path_ratio"]["n"] == 2
+  assert out["systems"]["ar"] == first["systems"]["ar"]
+  with pytest.raises(SystemExit):
+    bench.main(["--threshold=1.5", f"--pd_adapter={tiny_adapter}", "--n=1"])
+  with pytest.raises(SystemExit, match="seed"):   # other examples
+    bench.main(common + ["--n=1", "--seed=7", f"--ar_from={tmp_path / 'first.json'}",
+                         f"--out={tmp_path / 'bad.json'}"])
