@@ -35,7 +35,8 @@ DEFAULT_KV_BUDGET = 256                     # streaming_llm / h2o live tokens pe
 DEFAULT_MAX_NEW_TOKENS = {"pasta": 512, "tip": 512, "planned_diffusion": 512}
 # decode_ids options a planned_diffusion job passes on (PlannedDiffusionScheduler's arguments)
 PD_OPTIONS = ("steps_ratio", "eps", "confidence", "threshold", "max_promises", "max_rounds",
-              "plan_cap", "default_length", "max_length", "full_attention", "full_diffusion")
+              "plan_cap", "default_length", "max_length", "full_attention", "full_diffusion",
+              "pad_last")
 DEFAULT_MAX_NEW_TOKENS_OTHER = 128
 
 

@@ -63,6 +63,8 @@ HELP = {
     "planned_diffusion.confidence": "planned_diffusion: unmask order: entropy, margin or prob",
     "planned_diffusion.threshold": "planned_diffusion: Fast-dLLM probability threshold (0 = off)",
     "planned_diffusion.max_promises": "planned_diffusion: most promises per round",
+    "planned_diffusion.pad_last": "planned_diffusion: commit [PAD] predictions after every "
+                                  "content one (the committed adapter's eval; upstream: off)",
     "planned_diffusion.max_rounds": "planned_diffusion: most rounds (then plain AR)",
     "planned_diffusion.plan_cap": "planned_diffusion: most tokens of one plan",
     "planned_diffusion.full_diffusion": "planned_diffusion: Dream-style baseline, the whole "
@@ -101,7 +103,8 @@ def defaults() -> ml_collections.ConfigDict:
                    denoise_steps=1),
       sol=dict(budget="0.5,0.8,8"),
       planned_diffusion=dict(steps_ratio=1.0, confidence="entropy", threshold=0.0,
-                             max_promises=8, max_rounds=4, plan_cap=96, full_diffusion=0),
+                             max_promises=8, max_rounds=4, plan_cap=96, full_diffusion=0,
+                             pad_last=True),
       # PASTA options (runtime=pasta and the demo's PASTA part); pasta.adapter "" = no part
       pasta=dict(adapter="", alpaca_eval=6, offset=0, max_new_tokens=256, cap=256,
                  constrain_tags=True, max_threads=DEFAULT_MAX_THREADS,
