@@ -348,8 +348,8 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
         kw["block_size"] = int(options["block_size"])
       if "fused" in options:
         kw["fused"] = bool(options["fused"])
-      if options.get("fuse_at"):
-        kw["fuse_at"] = int(options["fuse_at"])
+      if "fuse_at" in options:
+        kw["fuse_at"] = int(options["fuse_at"] or 0)
       if "denoise_steps" in options:
         kw["denoise_steps"] = int(options["denoise_steps"])
     elif runtime == "sol":

@@ -49,6 +49,16 @@ ERRORS = {
     "tip_without_adapter": ([*TINY, "--config.runtime=tip", "--prompt=hi"], "adapter"),
     "adapter_missing": ([*TINY, "--config.adapter=/no/such/adapter", "--prompt=hi"],
                         "/no/such/adapter"),
+    # orthrus options fail before the adapter or the model loads (the adapter does not exist)
+    "orthrus_fuse_at": ([*TINY, "--config.runtime=orthrus", "--config.adapter=/no/such",
+                         "--config.orthrus.fused=True", "--config.orthrus.fuse_at=99",
+                         "--prompt=hi"], "[1, 7] (block_size=8), got 99"),
+    "orthrus_fuse_at_unfused": ([*TINY, "--config.runtime=orthrus", "--config.adapter=/no/such",
+                                 "--config.orthrus.fuse_at=1", "--prompt=hi"],
+                                "needs fused=True"),
+    "orthrus_denoise_fused": ([*TINY, "--config.runtime=orthrus", "--config.adapter=/no/such",
+                               "--config.orthrus.fused=True", "--config.orthrus.denoise_steps=2",
+                               "--prompt=hi"], "denoise_steps=2"),
 }
 
 

@@ -25,6 +25,7 @@ import time
 import ml_collections
 
 from selforch_jax import config_lib
+from selforch_jax.runtime.schedulers.orthrus import check_options as check_orthrus_options
 
 # one line per config key (``--help`` lists them with their defaults)
 HELP = {
@@ -53,9 +54,12 @@ HELP = {
     "apar.max_forks": "APAR: most forks per answer",
     "orthrus.block_size": "orthrus: diffusion block B (1 verified root + B-1 drafts per verify)",
     "orthrus.fused": "orthrus: fuse each verify pass with the next block's diffusion draft",
-    "orthrus.fuse_at": "orthrus: anchor the fused draft at verified draft j (0 = the last one)",
+    "orthrus.fuse_at": "orthrus: with fused, anchor the fused draft at verified draft j (0 = the "
+                       "last one, used only when a block is accepted whole; 1 = usable whenever "
+                       "a draft is accepted)",
     "orthrus.denoise_steps": "orthrus: diffusion passes per block, each fixing the most "
-                             "confident drafts (1 = one pass; > 1 needs fused=False)",
+                             "confident drafts (1 = one pass; > 1 needs fused=False and pays "
+                             "off only with a denoise=multi adapter)",
     "sol.budget": "sol: target budget 'kappa,rho,bits' (attention keep, MLP channel keep, MLP "
                   "output bits)",
     "planned_diffusion.steps_ratio": "planned_diffusion: denoising steps per token of the "
@@ -137,6 +141,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
       parse_budget(config.sol.budget)
     except ValueError as e:
       raise config_lib.ConfigError(f"sol.budget: {e}") from None
+  if config.runtime == "orthrus":
+    o = config.orthrus
+    try:
+      check_orthrus_options(o.block_size, o.fused, o.fuse_at, o.denoise_steps)
+    except ValueError as e:
+      raise config_lib.ConfigError(str(e)) from None
   if config.batch_size < 1 or config.page_size < 1 or config.budget < 1:
     raise config_lib.ConfigError("batch_size, page_size and budget must be >= 1")
   from selforch_jax.trace_render import FORMATS

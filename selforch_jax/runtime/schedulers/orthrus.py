@@ -87,7 +87,7 @@ class OrthrusScheduler(SpecScheduler):
     mask_id: the model's mask token id (:func:`selforch_jax.models.orthrus.mask_token_id`).
     block_size: B >= 2, the diffusion block (1 + B - 1 drafts).
     fused: fuse each verify step with the next block's diffusion draft (module docstring).
-    fuse_at: the verified draft j >= 1 the fused draft is anchored at (None: the last one,
+    fuse_at: the verified draft j >= 1 the fused draft is anchored at (None or 0: the last one,
       usable only when the block is accepted whole; j: usable whenever >= j drafts are
       accepted).
     denoise_steps: n >= 1 scratch diffusion passes per block (module docstring; 1: one pass,
@@ -99,8 +99,7 @@ class OrthrusScheduler(SpecScheduler):
   (fused drafts used: verify steps that ran with no diffusion step before them).
 
   Raises:
-    ValueError: as :class:`SpecScheduler`; ``block_size < 2``; ``mask_id < 0``; ``fuse_at``
-      outside ``[1, block_size)``; ``denoise_steps < 1``; ``fused`` with ``denoise_steps > 1``.
+    ValueError: as :class:`SpecScheduler`; ``mask_id < 0``; the options (:func:`check_options`).
   """
 
   name = "orthrus"
@@ -110,17 +109,9 @@ class OrthrusScheduler(SpecScheduler):
                owner_base: int = 0, segment_base: int = 0, *, mask_id: int,
                block_size: int = DEFAULT_BLOCK_SIZE, fused: bool = False,
                fuse_at: int | None = None, denoise_steps: int = 1, max_pos: int = 1 << 30):
-    if int(block_size) < 2:
-      raise ValueError(f"block_size must be >= 2, got {block_size}")
+    check_options(block_size, fused, fuse_at, denoise_steps)
     if int(mask_id) < 0:
       raise ValueError(f"mask_id must be a token id >= 0, got {mask_id}")
-    if fuse_at is not None and not 1 <= int(fuse_at) < int(block_size):
-      raise ValueError(f"fuse_at must be in [1, block_size) or None, got {fuse_at}")
-    if int(denoise_steps) < 1:
-      raise ValueError(f"denoise_steps must be >= 1, got {denoise_steps}")
-    if fused and int(denoise_steps) > 1:
-      raise ValueError("fused=True drafts a block in one pass: it cannot take denoise_steps="
-                       f"{denoise_steps} > 1 (use fused=False)")
     super().__init__(prompts, max_new_tokens, sampling, stop_ids, owner_base, segment_base,
                      max_tree=int(block_size) - 1, max_guess=int(block_size) - 1, max_pos=max_pos)
     self.block_size, self.mask_id = int(block_size), int(mask_id)
@@ -130,7 +121,7 @@ class OrthrusScheduler(SpecScheduler):
     self.visible, self.bidir = vis, np.append(self.bidir, True)
     self.block_seg = G
     self.fused = bool(fused)
-    self.fuse_at = None if fuse_at is None else int(fuse_at)
+    self.fuse_at = int(fuse_at) if fuse_at else None
     self.denoise_steps = int(denoise_steps)
     self.draft_owner = self.tree_owner + 1      # the fused step's diffusion queries (scratch)
     self.owners.append(self.draft_owner)
@@ -308,6 +299,31 @@ class OrthrusScheduler(SpecScheduler):
         st.setdefault(key, v)
       st["mean_acceptance_length"] = (float(np.mean(st["accepted"])) + 1.0
                                       if st["accepted"] else 0.0)
+
+
+def check_options(block_size: int, fused: bool = False, fuse_at: int | None = None,
+                  denoise_steps: int = 1) -> None:
+  """Check Orthrus's decoding options before any work (the scheduler and the decode CLI).
+
+  Args:
+    block_size: B >= 2. fused: fuse verify + next draft. fuse_at: None or 0 (the last draft)
+      or j in ``[1, B)``; needs ``fused``. denoise_steps: >= 1; > 1 needs ``fused=False``.
+
+  Raises:
+    ValueError: naming the bad option and its valid range.
+  """
+  if int(block_size) < 2:
+    raise ValueError(f"orthrus block_size must be >= 2, got {block_size}")
+  if fuse_at and not 1 <= int(fuse_at) < int(block_size):
+    raise ValueError(f"orthrus fuse_at must be 0 (the last draft) or a draft index in [1, "
+                     f"{int(block_size) - 1}] (block_size={int(block_size)}), got {fuse_at}")
+  if fuse_at and not fused:
+    raise ValueError(f"orthrus fuse_at={fuse_at} anchors the fused draft: it needs fused=True")
+  if int(denoise_steps) < 1:
+    raise ValueError(f"orthrus denoise_steps must be >= 1, got {denoise_steps}")
+  if fused and int(denoise_steps) > 1:
+    raise ValueError("orthrus fused=True drafts a block in one pass: it cannot take "
+                     f"denoise_steps={denoise_steps} > 1 (use fused=False)")
 
 
 def _zero_stats() -> dict:
