@@ -261,7 +261,7 @@ def test_fused_draft_rows_equal_training_blocks(models, fuse_at):
                      np.asarray(result.logits)[T:]))
     run(eng, s, observer=grab)
     seq = p + s.results[0].token_ids
-    for pos0, assumed, rows in seen:
+    for pos0, assumed, rows in seen[:3]:     # 3 per answer: each is a fresh trace
       hyp = seq[:pos0] + assumed                # what the fused draft assumed accepted
       N, anchor = len(hyp), len(hyp) - 1
       _, diff = dual_pass_logits(model, jnp.asarray([hyp], jnp.int32), jnp.arange(N)[None],
