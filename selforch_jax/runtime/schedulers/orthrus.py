@@ -148,9 +148,7 @@ class OrthrusScheduler(SpecScheduler):
         self._pending = ()
         free = tuple(self._to_free) + ((self.tree_owner,) if free_tree else ())
         self._to_free = []
-        g = self.block_seg
-        self.visible[g, :] = False
-        self.visible[g, self.seq_segs[i]] = self.visible[g, g] = True
+        g = self._block_visible(i, 0)
         tokens = [req.tokens[-1]] + [self.mask_id] * (nb - 1)
         if min(self.denoise_steps, k) > 1:
           req.extra["denoise"] = dict(k=k, tokens=list(tokens), p=0,
@@ -181,10 +179,7 @@ class OrthrusScheduler(SpecScheduler):
       return plan
     nb = want + 1                               # the anchor row predicts the bonus
     i = plan.tag[1]
-    g = self.block_seg
-    self.visible[g, :] = False
-    self.visible[g, self.seq_segs[i]] = self.visible[g, g] = True
-    self.visible[g, self.tree0:self.tree0 + j - 1] = True   # the chain d_1 .. d_{j-1}
+    g = self._block_visible(i, j - 1)
     tokens = np.concatenate([np.asarray(plan.tokens, np.int64),
                              [int(np.asarray(plan.tokens)[j])], np.full(nb - 1, self.mask_id)])
     view = np.zeros(T + nb, bool)
@@ -198,6 +193,15 @@ class OrthrusScheduler(SpecScheduler):
                                np.full(nb, self.draft_owner)]),
         visible=self.visible, scratch_owners=(self.draft_owner,),
         spec=ForwardSpec(view=VIEW, query_view=view))
+
+  def _block_visible(self, i: int, chain: int) -> int:
+    """Set the diffusion block's visibility row for request ``i``: its committed sequence, the
+    first ``chain`` verify-chain nodes of this step and itself; returns the block segment."""
+    g = self.block_seg
+    self.visible[g, :] = False
+    self.visible[g, self.seq_segs[i]] = self.visible[g, g] = True
+    self.visible[g, self.tree0:self.tree0 + chain] = True
+    return g
 
   def on_step(self, plan: StepPlan, result: StepResult) -> None:
     kind, i, k = plan.tag
@@ -249,9 +253,7 @@ class OrthrusScheduler(SpecScheduler):
       if dn["q"] is None:
         dn["q"] = np.zeros((k, q.shape[1]))
       qs = q[pick]
-      c = np.cumsum(qs, axis=-1)
-      u = req.rng.random(len(take))[:, None] * c[:, -1:]
-      dn["d"][take] = np.minimum((c <= u).sum(-1), qs.shape[1] - 1)
+      dn["d"][take] = _draw(qs, req.rng)
       dn["q"][take] = qs
     dn["fixed"][take] = p
     for j in take:
@@ -270,15 +272,11 @@ class OrthrusScheduler(SpecScheduler):
 
   def _take_draft(self, req: Request, rows: np.ndarray) -> None:
     """The next block's drafts from diffusion rows ``[k, V]`` (row j predicts draft j+1)."""
-    k = rows.shape[0]
     if self.sampling.greedy:
       req.extra["draft"] = (rows.argmax(-1).astype(np.int64).tolist(), None)
       return
     q = target_probs(rows, self.sampling)
-    c = np.cumsum(q, axis=-1)
-    u = req.rng.random(k)[:, None] * c[:, -1:]
-    d = np.minimum((c <= u).sum(-1), q.shape[1] - 1)
-    req.extra["draft"] = (d.astype(np.int64).tolist(), q)
+    req.extra["draft"] = (_draw(q, req.rng).tolist(), q)
 
   def propose(self, req: Request, budget: int):
     d, q = req.extra.pop("draft", ([], None))
@@ -324,6 +322,14 @@ def check_options(block_size: int, fused: bool = False, fuse_at: int | None = No
   if fused and int(denoise_steps) > 1:
     raise ValueError("orthrus fused=True drafts a block in one pass: it cannot take "
                      f"denoise_steps={denoise_steps} > 1 (use fused=False)")
+
+
+def _draw(q: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+  """One token per row of ``q`` (float ``[n, V]``, rows summing to ~1) by inverse CDF with
+  ``n`` uniforms from ``rng``; int64 ``[n]``."""
+  c = np.cumsum(q, axis=-1)
+  u = rng.random(q.shape[0])[:, None] * c[:, -1:]
+  return np.minimum((c <= u).sum(-1), q.shape[1] - 1).astype(np.int64)
 
 
 def _zero_stats() -> dict:
