@@ -21,9 +21,17 @@ ran before). The step reads the weights (~540 MB float32) plus the key window's 
 keys once for the page bounds (min / max per page, computed inside the step) and the kept pages'
 K/V.
 
+On a GPU (the GGUF does not travel to a lent machine): ``--weights=random`` runs a SmolLM2-135M-
+shaped model with random weights (a step's time does not depend on the weights' values; the
+QUEST selection does, but the gathered page count is fixed by kappa) and prefills random token
+ids; ``--attention=auto`` makes the dense step use the Pallas paged kernel on a GPU (the
+``quest_gather`` steps run the XLA gather path on either engine), ``reference`` the jnp path.
+
 Run:
   python bench/sol_savings.py --contexts=1000,4000,8000 --kappas=0.25,0.5 --reps=15 \
       --out=bench/results --name=sol_savings_cpu
+  python bench/sol_savings.py --weights=random --dtype=bfloat16 --attention=auto \
+      --contexts=4000,16000,32000 --kappas=0.125,0.25,0.5 --name=sol_savings_h200   # on a GPU
 """
 
 from __future__ import annotations
@@ -71,14 +79,18 @@ def main(argv=None):
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--chunk", type=int, default=1000, help="prefill tokens per step")
   ap.add_argument("--dtype", default="float32")
+  ap.add_argument("--weights", default="smollm2_gguf", choices=("smollm2_gguf", "random"),
+                  help="random: SmolLM2-135M-shaped random weights, random prompt tokens")
+  ap.add_argument("--attention", default="reference", choices=("reference", "auto", "paged"),
+                  help="the engine's attention for plain (dense) steps")
   ap.add_argument("--out", default="bench/results")
   ap.add_argument("--name", default="sol_savings_cpu")
   a = ap.parse_args(argv)
 
   import jax
-  import ml_collections
 
-  from selforch_jax import config_lib
+  from selforch_jax.models.config import get_preset
+  from selforch_jax.models.transformer import init_model
   from selforch_jax.runtime.engine import Engine, bucket_size, key_window, quest_gather_pages
   from selforch_jax.runtime.step import ForwardSpec
 
@@ -86,13 +98,20 @@ def main(argv=None):
   contexts = sorted(int(x) for x in a.contexts.split(","))
   kappas = [float(x) for x in a.kappas.split(",") if x]
   mask_kappas = [float(x) for x in a.mask_kappas.split(",") if x]
-  mc = config_lib.model_defaults()
-  mc.preset, mc.weights, mc.dtype = "smollm2_135m", "smollm2_gguf", a.dtype
-  cfg, model, tok = config_lib.load_model(ml_collections.ConfigDict(mc))
+  if a.weights == "random":
+    cfg = get_preset("smollm2_135m").replace(dtype=a.dtype, param_dtype=a.dtype)
+    model = init_model(cfg, seed=0)
+    text = np.random.default_rng(1).integers(1, cfg.vocab_size, contexts[-1]).astype(np.int32)
+  else:
+    import ml_collections   # only the GGUF path (a lent GPU machine has neither ml_collections
+    from selforch_jax import config_lib   # nor the GGUF)
+    mc = config_lib.model_defaults()
+    mc.preset, mc.weights, mc.dtype = "smollm2_135m", "smollm2_gguf", a.dtype
+    cfg, model, tok = config_lib.load_model(ml_collections.ConfigDict(mc))
+    text = doc_tokens(tok, contexts[-1])
   page = 16
   slots = bucket_size(contexts[-1] + 1)
-  engine = Engine(model, num_pages=slots // page, page_size=page, attention="reference")
-  text = doc_tokens(tok, contexts[-1])
+  engine = Engine(model, num_pages=slots // page, page_size=page, attention=a.attention)
   one = (np.ones((1, 1), bool), np.zeros(1, bool))
   variants = [("dense", None)]
   variants += [(f"gather_k{k:g}", ForwardSpec(sparsity=f"quest_gather({a.page})",
@@ -143,9 +162,11 @@ def main(argv=None):
     print(ctx, {k: (round(v["median_s"] * 1e3, 1), round(v.get("ratio_vs_dense_median", 1), 3))
                 for k, v in row["variants"].items()}, row["loadavg_after"], file=sys.stderr)
   result = dict(
-      system="sol_quest_gather", model="smollm2_135m", dtype=a.dtype, batch=1,
+      system="sol_quest_gather", model="smollm2_135m", weights=a.weights,
+      attention=engine.attention, dtype=a.dtype, batch=1,
       quest_page=a.page, pool_page=page, pool_slots=engine.num_slots,
-      prefill_text="repository markdown docs (README.md, docs/*.md, bench/*.md), tokenized",
+      prefill_text=("random token ids" if a.weights == "random" else
+                    "repository markdown docs (README.md, docs/*.md, bench/*.md), tokenized"),
       note=("decode step = one query at position context over context + 1 keys; variants "
             "interleaved per round; ratio_vs_dense_median = median over rounds of t / t_dense of "
             "the same round"),
