@@ -84,3 +84,27 @@ def test_paged_mask_encodes_the_step_mask():
   assert want[0, s[0]] == False and want[0, s[2]] and not want[0, s[1]]
   with pytest.raises(ValueError, match="segment ids"):
     build_paged_mask(pool, np.array([3]), np.array([0]), visible, bidir, num_queries=1)
+
+
+def test_long_steps_on_a_paged_engine_run_the_dense_path(setup, monkeypatch):
+  """A step of more than ``PAGED_MAX_QUERIES`` queries (a prefill chunk) on a "paged" engine
+  takes the dense path (the kernel's one query block does not fit a GPU's shared memory for
+  long steps) with the reference engine's logits; a short step still uses the kernel."""
+  from selforch_jax.runtime import engine as engine_mod
+  _, _, ref, ker = setup
+  monkeypatch.setattr(engine_mod, "PAGED_MAX_QUERIES", 8)
+  calls = []
+  real = engine_mod.build_paged_mask
+  monkeypatch.setattr(engine_mod, "build_paged_mask",
+                      lambda *a, **k: calls.append(k["num_queries"]) or real(*a, **k))
+  toks = np.asarray(TEXT[:13])
+  one = (np.ones((1, 1), bool), np.zeros(1, bool))
+  outs = []
+  for eng in (ref, ker):
+    a = np.asarray(eng.run_step(toks[:12], np.arange(12), np.zeros(12), 0, *one)[0])
+    b = np.asarray(eng.run_step(toks[12:], [12], [0], 0, *one)[0])
+    outs.append((a, b))
+    eng.pool.free_owner(0)
+  assert calls == [1], calls   # only the 1-query step built kernel metadata
+  assert np.abs(outs[0][0] - outs[1][0]).max() < 1e-5
+  assert np.abs(outs[0][1] - outs[1][1]).max() < 1e-5

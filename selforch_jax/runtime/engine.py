@@ -51,6 +51,13 @@ from selforch_jax.runtime.step import ForwardSpec, parse_sparsity
 
 KEY_WINDOW_MIN = 256  # slots: the shortest key window (smaller pools use all their slots)
 GATHER_MAX_QUERIES = 16  # padded queries: larger "quest_gather" steps run the quest mask program
+# Queries of a step a "paged" engine gives the Pallas kernel; longer steps (prefill chunks) run
+# the dense reference path. The kernel holds all of a KV head's query rows ([H // K * T, D]) in
+# one block: on an H200 a 2000-query prefill asked for 1 MB of shared memory (227 KB exist)
+# and failed (docs/RESULTS.md §10, "SOL savings on an H200"); T <= 32 ran
+# (bench/results/engine_gpu_h200.json). Long steps are matmul-bound, where the dense path loses
+# nothing.
+PAGED_MAX_QUERIES = 64
 
 
 def gather_bucket(n: int) -> int:
@@ -226,7 +233,9 @@ class Engine:
   sparsity, MLP channel keep, fake-quant) is asked per step with a
   :class:`~selforch_jax.runtime.step.ForwardSpec` (:meth:`step`, :meth:`run_step`); a spec that
   needs the dense mask (attention mass, sparsity, a per-query key keep) runs the dense
-  reference path also on a ``"paged"`` engine.
+  reference path also on a ``"paged"`` engine, and so does a step of more than
+  ``PAGED_MAX_QUERIES`` queries (a prefill chunk: the kernel keeps all of a KV head's query
+  rows in one block, which a long step does not fit on a GPU).
 
   Attributes:
     cfg: the model config. pool: the :class:`KVPool`. cache: the device :class:`KVCache`
@@ -523,7 +532,8 @@ class Engine:
     try:
       if not in_place:
         self.pool.write(slots, positions, segments, orders)
-      if self.attention == "paged" and not (spec is not None and needs_dense_mask(spec)):
+      if (self.attention == "paged" and T <= PAGED_MAX_QUERIES
+          and not (spec is not None and needs_dense_mask(spec))):
         mask = build_paged_mask(self.pool, segments, orders, visible, bidir,
                                 num_queries=bucket_size(T), key_keep=key_keep,
                                 interpret=self.interpret)
