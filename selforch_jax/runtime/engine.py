@@ -226,7 +226,8 @@ class Engine:
     attention: ``"reference"``: the model's dense-mask jnp attention over a ``bool [T, S]`` mask
       from :func:`~selforch_jax.runtime.mask.step_mask`; ``"paged"``: the Pallas paged kernel
       over the pool's per-slot metadata (:mod:`~selforch_jax.runtime.paged_backend`; dead and
-      invisible pages skipped); ``"auto"``: paged on a GPU, reference elsewhere.
+      invisible pages skipped; opt-in); ``"auto"``: :func:`~selforch_jax.runtime.paged_backend.
+      default_attention_impl` (reference on every backend: the kernel measured slower on a GPU).
     interpret: run the paged kernel in Pallas interpret mode (CPU tests).
 
   What a step computes beyond the base logits (hidden state, attention mass per slot, views,

@@ -1,8 +1,10 @@
 """The engine's kernel path: attention over the paged pool with the Pallas paged kernel.
 
-On CPU the engine hands the model a dense ``bool [T, S]`` mask built by
-:func:`~selforch_jax.runtime.mask.step_mask` (the jnp reference, DESIGN.md §2.3). On a GPU it
-hands it a :class:`PagedAttentionMask` instead: the same visibility rule, as the per-slot metadata
+By default the engine hands the model a dense ``bool [T, S]`` mask built by
+:func:`~selforch_jax.runtime.mask.step_mask` (the jnp reference, DESIGN.md §2.3). An engine
+built with ``attention="paged"`` (opt-in, for GPUs; :func:`default_attention_impl` says why)
+hands it a :class:`PagedAttentionMask` instead for steps of at most
+``engine.PAGED_MAX_QUERIES`` queries: the same visibility rule, as the per-slot metadata
 the kernel reads (alive bits, segment ids, decode orders; the queries' segments and orders; the
 segment tables), and the model's attention calls
 :func:`kernels_pallas.paged_attention.paged_attention` with it — tiles of dead or invisible pages
@@ -142,9 +144,11 @@ def build_paged_mask(pool: KVPool, q_segments, q_orders, visible, bidir, *, num_
 
 
 def default_attention_impl() -> str:
-  """``"paged"`` on a GPU backend (the compiled Triton kernel), else ``"reference"`` (the dense
-  jnp path on CPU; the kernel's TPU lowering is not written)."""
-  return "paged" if jax.default_backend() == "gpu" else "reference"
+  """The engine's attention for ``attention="auto"``: ``"reference"`` (the dense jnp path over
+  the key window) on every backend. The Pallas paged kernel (``"paged"``) stays opt-in: on one
+  H200 its decode step ran at 0.45-0.60x the dense path's speed with half the pool evicted
+  (``bench/results/engine_gpu_h200.json``), and its TPU lowering is not written."""
+  return "reference"
 
 
 def needs_dense_mask(spec) -> bool:
