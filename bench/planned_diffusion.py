@@ -7,7 +7,8 @@ the systems alternate per example, so all see the same machine load):
 
 * ``pd``: the Planned Diffusion adapter (``--pd_adapter``) with the planned_diffusion runtime
   (``--steps_ratio``, ``--confidence``, or ``--threshold``: Fast-dLLM's confidence threshold;
-  ``--pad_last``: ``[PAD]`` predictions are committed after every content prediction);
+  ``--pad_last``: ``[PAD]`` predictions are committed after every content prediction;
+  ``--spread``: no two adjacent positions of a chunk are committed in one denoising step);
   its de-tagged logical text is scored;
 * ``ar``: the AR-SFT adapter (``--ar_adapter``, trained on the same records with the tags
   stripped) with plain AR decoding (``""`` skips it; speedups need it);
@@ -113,7 +114,8 @@ class System:
                    stop_ids=eos_ids(self.tok))
     if name in ("pd", "dream"):
       self.kw.update(tag_vocab=self.tv, steps_ratio=args.steps_ratio, confidence=args.confidence,
-                     threshold=args.threshold or None, pad_last=args.pad_last)
+                     threshold=args.threshold or None, pad_last=args.pad_last,
+                     spread=args.spread)
     if name == "dream":
       self.kw["full_diffusion"] = args.dream
 
@@ -277,6 +279,9 @@ def main(argv=None):
   ap.add_argument("--confidence", default="entropy")
   ap.add_argument("--pad_last", action="store_true",
                   help="PD / Dream: commit [PAD] predictions after every content prediction")
+  ap.add_argument("--spread", action="store_true",
+                  help="PD / Dream: never commit two adjacent positions of a chunk in one "
+                       "denoising step (the last step commits everything left)")
   ap.add_argument("--threshold", type=float, default=0.0,
                   help="PD / Dream: Fast-dLLM unmasking, every masked position whose top "
                        "probability is >= this per step (0 = off: steps_ratio's schedule)")

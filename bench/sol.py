@@ -7,7 +7,9 @@ teacher-forced episodes on the engine (:class:`~selforch_jax.runtime.schedulers.
 SOLEpisodeScheduler`: dense prefill of the context, then T steps under the system's compute
 schedule; its own steps' K/V feed later steps). Per target budget:
 
-* ``policy``: the SOL adapter's policy, greedy, conditioned on the target;
+* ``policy``: the SOL adapter's policy, greedy, conditioned on the target (with
+  ``--budget_guard=TOL``: under the decode-time budget guard, :class:`~selforch_jax.runtime.
+  sol_control.BudgetController`; the baselines below then match the guarded actions);
 * ``uniform``: one static action every step (upstream ``evaluate_fixed_matched_keep``): kappa and
   rho = the policy's mean nominal kappa / rho on this text, bits = its mean bits rounded;
 * ``random``: the policy's own actions on this text shuffled across steps and windows (a random
@@ -16,13 +18,16 @@ schedule; its own steps' K/V feed later steps). Per target budget:
 and ``dense``. Quality: perplexity ``exp(mean NLL)`` of the T target tokens, with a percentile
 bootstrap 95% CI over windows, and the paired bootstrap CI of the NLL difference policy -
 uniform / policy - random. Budgets: achieved (applied usage) ``[kappa, rho, bits]`` and the
-tracking error ``|achieved - target|`` (usage units). Wall-clock: seconds per decode step of
+tracking error ``|achieved - target|`` (usage units) of the mean over all windows' steps, and
+``tracking_error_rows``: the mean over windows of each window's own ``|achieved - target|``. Wall-clock: seconds per decode step of
 one SOL action vs the plain dense step at the same kv length (masks and fake-quant are
 simulated on the reference attention path: no saving is expected; the machine's load is
 recorded).
 
 Run:
   python bench/sol.py --adapter=adapters/sol_smollm2_135m --n=24 --out=bench/results
+  python bench/sol.py --adapter=adapters/sol_smollm2_135m --n=40 --batch=16 --budget_guard=0.02 \
+      --timing_reps=0 --name=sol_guard_cpu        # policy + budget guard; no step timing
 """
 
 from __future__ import annotations
@@ -101,11 +106,18 @@ def main(argv=None):
   ap.add_argument("--n", type=int, default=24, help="windows per source (GSM8K test, MATH-500)")
   ap.add_argument("--targets", default="0.5,0.8,8;0.75,0.9,12;0.6,0.7,6;1.0,1.0,10")
   ap.add_argument("--batch", type=int, default=12)
-  ap.add_argument("--timing_reps", type=int, default=10)
+  ap.add_argument("--timing_reps", type=int, default=10, help="0: no step timing")
+  ap.add_argument("--budget_guard", type=float, default=None,
+                  help="the policy under the decode-time budget guard at this tolerance (usage "
+                       "units, >= 0); default: no guard")
   ap.add_argument("--out", default="bench/results")
   ap.add_argument("--name", default="sol_cpu")
   ap.add_argument("--seed", type=int, default=0)
   a = ap.parse_args(argv)
+  if a.budget_guard is not None and not (np.isfinite(a.budget_guard) and a.budget_guard >= 0):
+    ap.error(f"--budget_guard must be a tolerance >= 0, got {a.budget_guard}")
+  if a.timing_reps < 0:
+    ap.error(f"--timing_reps must be >= 0, got {a.timing_reps}")
 
   import jax
   import ml_collections
@@ -146,7 +158,8 @@ def main(argv=None):
   for tstr in a.targets.split(";"):
     tg = parse_budget(tstr)
     pol = Rows(lambda s, e: BudgetController(policy, grid, np.tile(tg, (e - s, 1)), T, embed,
-                                             greedy=True))
+                                             greedy=True, budget_guard=a.budget_guard,
+                                             sparsity=sparsity))
     nll_p, use_p = episodes(engine, seqs, pol, grid, sparsity, Lc, a.batch)
     # the policy's actions, [n, T] (rows of each batch's controller, in order)
     acts = np.concatenate([np.stack(act.history, 1) for act in pol.actors])
@@ -167,11 +180,19 @@ def main(argv=None):
                            ("random", nll_r, use_r)):
       ach = use.reshape(-1, 3).mean(0)
       ci = bootstrap_ci(nll.mean(1), n_boot=2000)
+      row_err = np.abs(use.mean(1) - tg).mean(0)
       row[name] = dict(ppl=float(np.exp(nll.mean())),
                        ppl_ci=[float(np.exp(ci["lo"])), float(np.exp(ci["hi"]))],
                        achieved_budget=budget_triple(ach),
-                       tracking_error=[round(float(x), 4) for x in np.abs(ach - tg)])
+                       tracking_error=[round(float(x), 4) for x in np.abs(ach - tg)],
+                       tracking_error_rows=[round(float(x), 4) for x in row_err])
     row["uniform"]["action"] = [k_u, r_u, b_u]
+    row["policy"]["nominal_budget"] = [round(k_u, 4), round(r_u, 4),
+                                       round(float(vals[:, 2].mean()), 4)]
+    if a.budget_guard is not None:   # the guard's predicted usage of the actions it allowed
+      pred = sum(act.predicted_sum.sum(0) for act in pol.actors)
+      steps = sum(int(act.eff_steps.sum()) for act in pol.actors)
+      row["policy"]["guard_predicted_budget"] = budget_triple(pred / max(steps, 1))
     row["policy_minus_uniform_nll"] = paired_bootstrap_diff(nll_p.mean(1), nll_u.mean(1),
                                                             n_boot=2000)
     row["policy_minus_random_nll"] = paired_bootstrap_diff(nll_p.mean(1), nll_r.mean(1),
@@ -182,7 +203,7 @@ def main(argv=None):
                  ("policy", "uniform", "random")}, file=sys.stderr)
   timing = []
   for action_tag in ("k050-s080-q8", "k025-s060-q6"):
-    if action_tag in grid.tags():
+    if action_tag in grid.tags() and a.timing_reps > 0:
       idx = grid.tags().index(action_tag)
       for rows in (1, 8):
         t = step_timing(engine, model, grid, sparsity, idx, Lc + T, rows, a.timing_reps)
@@ -192,7 +213,7 @@ def main(argv=None):
       system="sol", adapter=a.adapter, model=meta["model"].get("preset"),
       adapter_metrics=meta.get("metrics", {}).get("summary"),
       grid={"kappas": list(grid.kappas), "rhos": list(grid.rhos), "bits": list(grid.bits)},
-      sparsity=sparsity, context_len=Lc, rollout_len=T,
+      sparsity=sparsity, context_len=Lc, rollout_len=T, budget_guard=a.budget_guard,
       data=dict(gsm8k_test=a.n, math500=len(seqs) - a.n, windows=n,
                 note="chat-formatted question + reference solution, one window per example"),
       dense=res["dense"], budgets=res["budgets"], step_timing=timing,
@@ -243,7 +264,9 @@ def plot(result, path):
   axes[0].set_ylabel(f"perplexity (n={result['data']['windows']} windows x "
                      f"{result['rollout_len']} tokens)")
   axes[0].legend()
-  fig.suptitle(f"SOL on {result['model']}: held-back GSM8K test + MATH-500 text, CPU")
+  guard = result.get("budget_guard")
+  fig.suptitle(f"SOL on {result['model']}: held-back GSM8K test + MATH-500 text, CPU"
+               + ("" if guard is None else f"; policy under the budget guard (tol {guard})"))
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 

@@ -36,7 +36,7 @@ DEFAULT_MAX_NEW_TOKENS = {"pasta": 512, "tip": 512, "planned_diffusion": 512}
 # decode_ids options a planned_diffusion job passes on (PlannedDiffusionScheduler's arguments)
 PD_OPTIONS = ("steps_ratio", "eps", "confidence", "threshold", "max_promises", "max_rounds",
               "plan_cap", "default_length", "max_length", "full_attention", "full_diffusion",
-              "pad_last")
+              "pad_last", "spread")
 DEFAULT_MAX_NEW_TOKENS_OTHER = 128
 
 
@@ -264,8 +264,11 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
       max_forks; streaming_llm / h2o: budget, n_sink, recent_ratio; orthrus: block_size, fused,
       fuse_at, denoise_steps;
       planned_diffusion: :data:`PD_OPTIONS`; sol: ``policy`` (a SOL adapter directory, or
-      ``(policy, grid, sparsity)``) and ``budget`` (``"kappa,rho,bits"``, default
-      ``0.5,0.8,8``)).
+      ``(policy, grid, sparsity)``), ``budget`` (``"kappa,rho,bits"``, default
+      ``0.5,0.8,8``) and ``budget_guard`` (the decode-time budget guard's tolerance in usage
+      units, default :data:`~selforch_jax.runtime.sol_control.DEFAULT_BUDGET_GUARD`; 0 or None:
+      off, the policy's own actions; :class:`~selforch_jax.runtime.sol_control.
+      BudgetController`)).
     on_token: ``callback(prompt index, token id)`` as tokens are sampled (AR-like runtimes).
     on_answer: ``callback(prompt index, Answer)`` as each job finishes.
     trace: ``""`` (off); a path ending in ``.html`` / ``.png`` / ``.json``: every engine step
@@ -353,8 +356,11 @@ def decode_ids(model, tokenizer, prompts: Sequence[Sequence[int]], *, runtime: s
       if "denoise_steps" in options:
         kw["denoise_steps"] = int(options["denoise_steps"])
     elif runtime == "sol":
+      from selforch_jax.runtime.sol_control import DEFAULT_BUDGET_GUARD, budget_guard_option
       kw.update(policy=sol_policy[0], grid=sol_policy[1], sparsity=sol_policy[2],
-                budget=options.get("budget", "0.5,0.8,8"))
+                budget=options.get("budget", "0.5,0.8,8"),
+                budget_guard=budget_guard_option(options.get("budget_guard",
+                                                             DEFAULT_BUDGET_GUARD)))
     sched = make_scheduler(runtime, engine, [prompts[i] for i in rows], **kw)
     if recorder is not None:
       recorder.attach(sched)
@@ -383,13 +389,15 @@ def _sol_policy(options: dict) -> tuple:
   that tuple.
 
   Raises:
-    ApiError: no policy given, or not a SOL adapter; a bad ``budget``."""
+    ApiError: no policy given, or not a SOL adapter; a bad ``budget`` or ``budget_guard``."""
   from selforch_jax.runtime.sol_actions import parse_budget
+  from selforch_jax.runtime.sol_control import budget_guard_option
   pol = options.get("policy")
   if pol is None or (isinstance(pol, str) and not pol):
     raise ApiError("runtime 'sol' needs options['policy']: a SOL adapter directory")
   try:
     parse_budget(options.get("budget", "0.5,0.8,8"))
+    budget_guard_option(options.get("budget_guard"))
   except ValueError as e:
     raise ApiError(str(e)) from None
   if isinstance(pol, (tuple, list)):

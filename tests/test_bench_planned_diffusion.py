@@ -83,9 +83,9 @@ def test_bench_threshold_and_ar_from(tmp_path, tiny_adapter):
   from selforch_jax.adapter import load_adapter
   bench = _load_bench()
   args = argparse.Namespace(max_new_tokens=20, steps_ratio=0.5, confidence="entropy",
-                            threshold=0.9, dream=0, pad_last=True)
+                            threshold=0.9, dream=0, pad_last=True, spread=True)
   kw = bench.System("pd", load_adapter(tiny_adapter), 400, args).kw
-  assert kw["threshold"] == 0.9 and kw["pad_last"] is True
+  assert kw["threshold"] == 0.9 and kw["pad_last"] is True and kw["spread"] is True
   args.threshold = 0.0
   assert bench.System("pd", load_adapter(tiny_adapter), 400, args).kw["threshold"] is None
   common = ["--task=cities", f"--pd_adapter={tiny_adapter}", "--warmup=0",
@@ -106,3 +106,32 @@ def test_bench_threshold_and_ar_from(tmp_path, tiny_adapter):
   with pytest.raises(SystemExit, match="seed"):   # other examples
     bench.main(common + ["--n=1", "--seed=7", f"--ar_from={tmp_path / 'first.json'}",
                          f"--out={tmp_path / 'bad.json'}"])
+
+
+def test_pareto_of_variants(tmp_path, capsys):
+  """bench/planned_diffusion_pareto.py on two committed cities runs (same seed): one PNG, each
+  run's figures as recorded, and the common-prefix figures recomputed from the records."""
+  path = os.path.join(REPO_ROOT, "bench", "planned_diffusion_pareto.py")
+  spec = importlib.util.spec_from_file_location("bench_pd_pareto", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  res = os.path.join(REPO_ROOT, "bench", "results")
+  paths = [os.path.join(res, f"planned_diffusion_cities_{v}_cpu.json")
+           for v in ("pd150", "pd235_padlast")]
+  mod.main(paths + [f"--out={tmp_path / 'p.png'}"])
+  assert (tmp_path / "p.png").stat().st_size > 1000
+  runs = mod.load_runs(paths)
+  rows = mod.common_prefix(runs)
+  m = min(d["n_done"] for d in runs)
+  assert [r["n"] for r in rows] == [m, m] and rows[1]["label"] == "ratio 0.5, pad_last"
+  recs = runs[1]["records"]["pd"]          # the shorter run: its prefix is all of it
+  assert len(recs) == m
+  assert rows[1]["item_accuracy"] == pytest.approx(
+      runs[1]["systems"]["pd"]["item_accuracy"]["mean"])
+  assert rows[1]["cp_ratio"] == pytest.approx(
+      runs[1]["vs_ar"]["pd"]["critical_path_ratio"]["mean"])
+  assert "item_acc 0.434" in capsys.readouterr().out
+  bad = dict(runs[0], args=dict(runs[0]["args"], seed=7))
+  (tmp_path / "bad.json").write_text(json.dumps(bad))
+  with pytest.raises(ValueError, match="seed"):
+    mod.load_runs([paths[1], str(tmp_path / "bad.json")])

@@ -7,6 +7,8 @@
 * Batch 2 decodes exactly as each request alone (tokens and per-request figures).
 * Guards on scripted logits: a runaway planner, a promise without a length, too many promises,
   too many rounds, EOS right after a plan, a tiny budget: nothing crashes, no text is lost.
+* Unmask options on scripted logits: ``pad_last`` commits content before filler; ``spread``
+  never commits two neighbours in one step (the last step takes all, the chunk completes).
 """
 
 import collections
@@ -275,6 +277,7 @@ def test_decode_cli_options():
   c.planned_diffusion.threshold = 0.9
   o = decode_run.options(c)
   assert o["threshold"] == 0.9 and o["steps_ratio"] == 1.0 and o["confidence"] == "entropy"
+  assert o["spread"] is False and "planned_diffusion.spread" in decode_run.help_text()
   c.planned_diffusion.threshold = 0.0
   assert decode_run.options(c)["threshold"] is None
   assert "planned_diffusion.plan_cap" in decode_run.help_text()
@@ -308,3 +311,47 @@ def test_pad_last_commits_content_before_filler():
   # pad_last commits every content prediction first, and slot 2 is then re-predicted as 103
   assert _drive_chunk(pad_last=False) == [101, 102, TV.pad, TV.pad]
   assert _drive_chunk(pad_last=True) == [101, 102, 103, TV.pad]
+
+
+def _drive_spread(spread, threshold=None):
+  """One teacher-forced chunk of 8 slots, answer [101..108], under a scripted denoiser whose
+  confidence falls from left to right; steps_ratio 0.5 (4 iterations committing 1, 2, 2, 3).
+  Returns (the chunk's final tokens, the slots committed at each iteration, iterations)."""
+  s = pd.PlannedDiffusionScheduler([_plan_prompt([70, 71, 72], (4,))], TV, 40, stop_ids=[EOS],
+                                   length_unit=UNIT, vocab_size=V, steps_ratio=0.5,
+                                   spread=spread, threshold=threshold)
+  steps = []
+  while (plan := s.next_step()) is not None:
+    T = len(plan.tokens)
+    lg = np.zeros((T, V), np.float32)
+    lg[:, EOS] = 10.0
+    kind, info, _ = plan.tag
+    before = None
+    if kind == "denoise":
+      (_, c, first), = info
+      before = c.masked.copy()
+      for j in range(c.length):
+        lg[first + j, 101 + j] = 8.0 - 0.5 * j
+    s.on_step(plan, StepResult(logits=jnp.asarray(lg), slots=np.arange(T), released_pages=[]))
+    if before is not None:
+      steps.append(np.flatnonzero(before & ~c.masked).tolist())
+  resp = s.results[0].token_ids
+  assert s.stats[0]["denoise_steps"] == len(steps)
+  return resp[resp.index(TV.async_open) + 1:resp.index(TV.async_close)], steps
+
+
+def test_spread_never_commits_neighbours_in_one_step():
+  tokens, steps = _drive_spread(spread=False)
+  assert tokens == list(range(101, 109)) and steps == [[0], [1, 2], [3, 4], [5, 6, 7]]
+  tokens, steps = _drive_spread(spread=True)
+  # step 1: slot 2 sits next to slot 1 (picked this step) -> slot 3; step 2: 2 and 4 (1 and 3
+  # were committed before, they block nothing); the last step commits all left, neighbours too
+  assert steps == [[0], [1, 3], [2, 4], [5, 6, 7]]
+  assert tokens == list(range(101, 109))      # the chunk completes in the same 4 iterations
+  for st in steps[:-1]:
+    assert all(b - a > 1 for a, b in zip(st, st[1:]))
+  # Fast-dLLM threshold (every slot's top probability is above 0.2): one step commits all;
+  # with spread every other slot, then the rest
+  assert _drive_spread(False, threshold=0.2) == (list(range(101, 109)), [list(range(8))])
+  assert _drive_spread(True, threshold=0.2) == (list(range(101, 109)),
+                                                [[0, 2, 4, 6], [1, 3, 5, 7]])

@@ -1,5 +1,6 @@
 """SOL through the API and the decode CLI's config (issue 22): a policy adapter round trip, rows
-carrying ``target_budget`` / ``achieved_budget``, the ``sol.budget`` option, one-line errors."""
+carrying ``target_budget`` / ``achieved_budget``, the ``sol.budget`` and ``sol.budget_guard``
+options, one-line errors."""
 
 import json
 
@@ -54,6 +55,13 @@ def test_decode_rows_carry_target_and_achieved_budget(tiny, adapter):
     assert 0.6 <= f["achieved_budget"][1] <= 1 and 6 <= f["achieved_budget"][2] <= 16
     # the first token comes from the dense prefill; every later one from a controlled step
     assert f["controlled_steps"] == len(ans.token_ids) + int(ans.finish_reason == "stop") - 1
+    assert f["budget_guard"] == 0.02               # the guard is on by default at decode
+  off, = api.decode_ids(model, tok, [p], runtime="sol", max_new_tokens=4,
+                        options={"policy": path, "budget_guard": 0})
+  assert off.figures["budget_guard"] is None
+  with pytest.raises(api.ApiError, match="budget_guard"):
+    api.decode_ids(model, tok, [p], runtime="sol", max_new_tokens=4,
+                   options={"policy": path, "budget_guard": -1})
   with pytest.raises(api.ApiError, match="SOL budget"):
     api.decode_ids(model, tok, [p], runtime="sol", max_new_tokens=4,
                    options={"policy": path, "budget": "0.5,8"})
@@ -66,7 +74,7 @@ def test_decode_config_option_and_adapter_checks(adapter, tmp_path):
   c = decode_run.defaults()
   c.runtime, c.adapter, c.model.preset = "sol", path, "tiny_llama"
   c.sol.budget = "0.25,0.6,6"
-  assert decode_run.options(c) == {"budget": "0.25,0.6,6", "policy": path}
+  assert decode_run.options(c) == {"budget": "0.25,0.6,6", "budget_guard": 0.02, "policy": path}
   c.sol.budget = "0.25,0.6"
   with pytest.raises(Exception, match="sol.budget"):
     decode_run.validate(c)

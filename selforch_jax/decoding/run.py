@@ -26,6 +26,7 @@ import ml_collections
 
 from selforch_jax import config_lib
 from selforch_jax.runtime.schedulers.orthrus import check_options as check_orthrus_options
+from selforch_jax.runtime.sol_control import DEFAULT_BUDGET_GUARD, budget_guard_option
 
 # one line per config key (``--help`` lists them with their defaults)
 HELP = {
@@ -62,6 +63,9 @@ HELP = {
                              "off only with a denoise=multi adapter)",
     "sol.budget": "sol: target budget 'kappa,rho,bits' (attention keep, MLP channel keep, MLP "
                   "output bits)",
+    "sol.budget_guard": "sol: budget guard tolerance (usage units): each step's action is the "
+                        "policy's best among those keeping every axis' running mean usage "
+                        "within it of the target or moving toward it (0 = off)",
     "planned_diffusion.steps_ratio": "planned_diffusion: denoising steps per token of the "
                                      "longest chunk",
     "planned_diffusion.confidence": "planned_diffusion: unmask order: entropy, margin or prob",
@@ -69,6 +73,8 @@ HELP = {
     "planned_diffusion.max_promises": "planned_diffusion: most promises per round",
     "planned_diffusion.pad_last": "planned_diffusion: commit [PAD] predictions after every "
                                   "content one (the committed adapter's eval; upstream: off)",
+    "planned_diffusion.spread": "planned_diffusion: never commit two adjacent chunk positions in "
+                                "one denoising step (the last step commits all left)",
     "planned_diffusion.max_rounds": "planned_diffusion: most rounds (then plain AR)",
     "planned_diffusion.plan_cap": "planned_diffusion: most tokens of one plan",
     "planned_diffusion.full_diffusion": "planned_diffusion: Dream-style baseline, the whole "
@@ -105,10 +111,10 @@ def defaults() -> ml_collections.ConfigDict:
       apar=dict(child_tokens=64, max_forks=8),
       orthrus=dict(block_size=8, fused=False, fuse_at=0,    # block: CPU (configs/orthrus.py)
                    denoise_steps=1),
-      sol=dict(budget="0.5,0.8,8"),
+      sol=dict(budget="0.5,0.8,8", budget_guard=DEFAULT_BUDGET_GUARD),
       planned_diffusion=dict(steps_ratio=1.0, confidence="entropy", threshold=0.0,
                              max_promises=8, max_rounds=4, plan_cap=96, full_diffusion=0,
-                             pad_last=True),
+                             pad_last=True, spread=False),
       # PASTA options (runtime=pasta and the demo's PASTA part); pasta.adapter "" = no part
       pasta=dict(adapter="", alpaca_eval=6, offset=0, max_new_tokens=256, cap=256,
                  constrain_tags=True, max_threads=DEFAULT_MAX_THREADS,
@@ -141,6 +147,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
       parse_budget(config.sol.budget)
     except ValueError as e:
       raise config_lib.ConfigError(f"sol.budget: {e}") from None
+    try:
+      budget_guard_option(config.sol.budget_guard)
+    except ValueError as e:
+      raise config_lib.ConfigError(f"sol.budget_guard: {e}") from None
   if config.runtime == "orthrus":
     o = config.orthrus
     try:
@@ -215,7 +225,7 @@ def options(config: ml_collections.ConfigDict) -> dict:
             "denoise_steps": int(config.orthrus.denoise_steps)}
   if rt == "sol":
     from selforch_jax import api
-    return {"budget": str(config.sol.budget),
+    return {"budget": str(config.sol.budget), "budget_guard": float(config.sol.budget_guard),
             "policy": api.resolve_adapter(rt, config.adapter or None, config.model.preset)}
   if rt == "planned_diffusion":
     o = dict(config.planned_diffusion.to_dict())

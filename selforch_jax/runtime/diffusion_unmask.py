@@ -4,11 +4,16 @@ Follows the Dream / Planned Diffusion sampler: going from noise level t to s < t
 ``masked`` still-masked positions commits ``max(1, int(masked * (1 - s / t)))`` of them, the most
 confident first (confidence: negative entropy, top-1 minus top-2 probability margin, or top-1
 probability). Host-side numpy on one chunk's logits.
+
+:func:`select_spread` is the *spread* variant of the order: the same greedy walk down the
+confidence order, but a position next to one already picked in the same step is skipped, so no
+two adjacent positions of a chunk are committed together (two neighbours predicted from the same
+masked context often disagree, e.g. both write the same word or split one number).
 """
 
 import numpy as np
 
-__all__ = ["unmask_count", "confidence", "select_unmask"]
+__all__ = ["unmask_count", "confidence", "select_unmask", "select_spread"]
 
 CONFIDENCES = ("entropy", "margin", "prob")
 
@@ -86,3 +91,48 @@ def select_unmask(logits: np.ndarray, is_masked: np.ndarray, count: int,
   commit = np.zeros_like(is_masked)
   commit[order] = True
   return tokens, commit
+
+
+def select_spread(conf: np.ndarray, candidates: np.ndarray, count: int) -> np.ndarray:
+  """At most ``count`` candidate positions, most confident first, no two of them adjacent.
+
+  Walks the candidates in descending ``conf`` (ties to the lower index) and picks each one unless
+  its left or right neighbour (index ``j - 1`` or ``j + 1``) was already picked by this call;
+  stops after ``count`` picks. When the non-adjacency rule leaves fewer than ``count`` eligible
+  candidates, the result has fewer than ``count`` True entries (it never relaxes the rule): the
+  caller commits the rest at later steps. Positions already committed (not candidates) never
+  block a neighbour. The first pick is always the most confident candidate, so the result is
+  non-empty whenever ``count >= 1`` and a candidate exists.
+
+  Args:
+    conf: float [L], confidence per position (higher = more confident; see :func:`confidence`).
+    candidates: bool [L], positions that may be picked (e.g. the still-masked ones).
+    count: most positions to pick (>= 0).
+
+  Returns:
+    bool [L]: the picked positions, a subset of ``candidates``.
+
+  Raises:
+    ValueError: ``conf`` / ``candidates`` not the same 1-D shape, or ``count < 0``.
+  """
+  conf = np.asarray(conf, dtype=np.float64)
+  candidates = np.asarray(candidates, dtype=bool)
+  if conf.ndim != 1 or candidates.shape != conf.shape:
+    raise ValueError(f"select_spread: conf {conf.shape} and candidates {candidates.shape} must "
+                     "be the same 1-D shape")
+  if count < 0:
+    raise ValueError(f"select_spread: count must be >= 0, got {count}")
+  L = conf.size
+  picked = np.zeros(L, bool)
+  if count == 0:
+    return picked
+  k = 0
+  idx = np.flatnonzero(candidates)
+  for j in idx[np.argsort(-conf[idx], kind="stable")]:
+    if (j > 0 and picked[j - 1]) or (j + 1 < L and picked[j + 1]):
+      continue
+    picked[j] = True
+    k += 1
+    if k == count:
+      break
+  return picked

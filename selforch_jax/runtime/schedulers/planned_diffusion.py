@@ -27,7 +27,18 @@ every token):
    threshold: they are committed only when no content prediction is left), so the confident
    filler at a chunk's tail cannot be committed before the content it would cut (a chunk's
    length is only known once its content is: confidence order alone commits the tail's
-   ``[PAD]`` first and ends sentences early, as LLaDA reports for EOS). Chunk tokens are the argmax over non-tag tokens and
+   ``[PAD]`` first and ends sentences early, as LLaDA reports for EOS). ``spread`` (off by
+   default): no two adjacent positions of a chunk are committed in the same iteration
+   (:func:`~selforch_jax.runtime.diffusion_unmask.select_spread`: the same confidence order,
+   ``pad_last`` ranking included, skipping a position whose left or right neighbour was picked
+   in this iteration; two neighbours predicted from the same masked context often disagree,
+   "on on", "9830" for "98300"). When the rule leaves fewer eligible positions than the
+   iteration's count, only those are committed and the rest stay masked for the next iterations
+   (the count is recomputed from what is left); the last iteration still commits every position
+   left, adjacent or not, so a chunk always completes in exactly ``steps`` iterations (the
+   same bound as without ``spread``). With ``threshold``, ``spread`` commits the positions over
+   the threshold in confidence order minus those next to one already picked (at least the most
+   confident candidate), until none is masked. Chunk tokens are the argmax over non-tag tokens and
    ``[PAD]`` (a chunk cannot write a tag or a stop token, so its layout never changes).
 4. **Sync**: one non-scratch step writes the final state of every chunk (its clean K/V) and
    ``<sync/>`` (seeing those chunks, in the same step); its logits give the next AR token.
@@ -83,7 +94,7 @@ from selforch_jax.lang.assemble import assemble_pieces, join_pieces
 from selforch_jax.lang.mask import LayoutBuilder
 from selforch_jax.lang.parser import DEFAULT_CAP
 from selforch_jax.lang.tags import TOKENS_PER_UNIT
-from selforch_jax.runtime.diffusion_unmask import CONFIDENCES, unmask_count
+from selforch_jax.runtime.diffusion_unmask import CONFIDENCES, select_spread, unmask_count
 from selforch_jax.runtime.engine import Engine
 from selforch_jax.runtime.generation import GenerationResult
 from selforch_jax.runtime.registry import fresh_bases, register
@@ -94,7 +105,7 @@ __all__ = ["PlannedDiffusionScheduler", "chunk_predictions", "DEFAULTS"]
 
 DEFAULTS = dict(steps_ratio=1.0, eps=1e-3, confidence="entropy", threshold=None, max_promises=8,
                 max_rounds=4, plan_cap=96, default_length=2, max_length=8, full_diffusion=None,
-                pad_last=False)
+                pad_last=False, spread=False)
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
@@ -211,6 +222,8 @@ class PlannedDiffusionScheduler(Scheduler):
     full_diffusion: None, or L >= 1: the Dream-style baseline (module docstring): the whole
       answer is one chunk of ``min(L, max_new_tokens - 2)`` masks, no plan.
     pad_last: commit ``[PAD]`` predictions after every content prediction (module docstring).
+    spread: never commit two adjacent positions of a chunk in one denoising iteration, except
+      at the last one, which commits everything left (module docstring).
     cap, length_unit: parser settings (10 tokens per promise unit).
     owner_base / segment_base: first owner / segment id this job uses.
 
@@ -234,7 +247,8 @@ class PlannedDiffusionScheduler(Scheduler):
                max_length: int = DEFAULTS["max_length"], cap: int | None = DEFAULT_CAP,
                length_unit: int = TOKENS_PER_UNIT, owner_base: int = 0, segment_base: int = 0,
                vocab_size: int | None = None, full_attention: bool = False,
-               full_diffusion: int | None = None, pad_last: bool = False):
+               full_diffusion: int | None = None, pad_last: bool = False,
+               spread: bool = False):
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("PlannedDiffusionScheduler needs at least one prompt, none empty")
     if max_new_tokens < 1:
@@ -271,6 +285,7 @@ class PlannedDiffusionScheduler(Scheduler):
     self.length_unit = int(length_unit)
     self.full_attention = bool(full_attention)
     self.pad_last = bool(pad_last)
+    self.spread = bool(spread)
     self.full_diffusion = None if full_diffusion is None else int(full_diffusion)
     digits = str(int(default_length))
     self.default_len = ([tv.space_ids[0]] if tv.space_ids else []) + \
@@ -607,15 +622,21 @@ class PlannedDiffusionScheduler(Scheduler):
         cc = np.where(ct == self.tv.pad, cc - 1e9, cc)
       if self.threshold is not None:
         commit = cand & (cp >= self.threshold)
+        if self.spread and commit.any():
+          commit = select_spread(cc, commit, int(commit.sum()))
         if not commit.any():
           commit[int(np.argmax(np.where(cand, cc, -np.inf)))] = True
       else:
         ts = np.linspace(1.0, self.eps, r.steps + 1)
         i = min(r.step_i, r.steps - 1)
-        n = m if i == r.steps - 1 else unmask_count(m, float(ts[i + 1]), float(ts[i]))
-        order = np.argsort(-np.where(c.masked, cc, -np.inf), kind="stable")[:n]
-        commit = np.zeros_like(c.masked)
-        commit[order] = True
+        last = i == r.steps - 1
+        n = m if last else unmask_count(m, float(ts[i + 1]), float(ts[i]))
+        if self.spread and not last:    # no two neighbours in one step; the last takes all
+          commit = select_spread(cc, c.masked, n)
+        else:
+          order = np.argsort(-np.where(c.masked, cc, -np.inf), kind="stable")[:n]
+          commit = np.zeros_like(c.masked)
+          commit[order] = True
       c.tokens[commit] = ct[commit]
       c.masked &= ~commit
       for j in np.flatnonzero(commit):

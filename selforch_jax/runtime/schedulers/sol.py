@@ -80,8 +80,10 @@ class SOLScheduler(ARScheduler):
     N = len(self.prompts)
     toks, eff = np.zeros(N, np.int32), np.zeros(N, bool)
     toks[rows] = plan.tokens
-    eff[rows] = np.asarray(plan.positions) + 1 > self.limit
-    a = self.actor.act(toks, eff)
+    kv = np.ones(N, np.int64)
+    kv[rows] = np.asarray(plan.positions) + 1
+    eff[rows] = kv[rows] > self.limit
+    a = self.actor.act(toks, eff, kv)
     for i in rows:
       self.actions[i].append(int(a[i]))
     plan.spec = self.grid.spec(a[rows], self.step_sparsity)
@@ -99,12 +101,14 @@ class SOLScheduler(ARScheduler):
   def budget(self, j: int) -> dict:
     """Row j's figures: ``target_budget`` (None for a fixed schedule), ``achieved_budget`` (the
     applied usage) and ``nominal_budget`` (the actions' grid values), each ``[kappa, rho,
-    bits]`` averaged over its controllable steps, and ``controlled_steps``."""
+    bits]`` averaged over its controllable steps, ``controlled_steps`` and ``budget_guard``
+    (the guard's tolerance, None: off)."""
     tg = getattr(self.actor, "targets", None)
     return dict(target_budget=None if tg is None else budget_triple(tg[j]),
                 achieved_budget=budget_triple(self.actor.achieved()[j]),
                 nominal_budget=budget_triple(self.actor.nominal()[j]),
-                controlled_steps=int(self.actor.eff_steps[j]))
+                controlled_steps=int(self.actor.eff_steps[j]),
+                budget_guard=getattr(self.actor, "budget_guard", None))
 
 
 class SOLEpisodeScheduler(Scheduler):
@@ -183,7 +187,7 @@ class SOLEpisodeScheduler(Scheduler):
       t = self.t
       toks = np.repeat(self.seqs[:, Lc + t], K)
       eff = np.full(B * K, Lc + t + 1 > self.limit)
-      a = self.actor.act(toks, eff)
+      a = self.actor.act(toks, eff, np.full(B * K, Lc + t + 1))
       self.eff[:, :, t] = eff.reshape(B, K)
       return StepPlan(tokens=toks, positions=np.full(B * K, Lc + t), segments=self.s_roll,
                       owners=self.roll, visible=self.visible, bidir=self.bidir,
@@ -230,28 +234,36 @@ def _rewards(logits, targets, dense_lsm):
 
 
 def make_controller(engine: Engine, policy, grid: ActionGrid, budget, n: int, horizon: int, *,
-                    greedy: bool = True, temperature: float = 1.0,
-                    seed: int = 0) -> BudgetController:
+                    greedy: bool = True, temperature: float = 1.0, seed: int = 0,
+                    budget_guard: float | None = None,
+                    sparsity: str = DEFAULT_SPARSITY) -> BudgetController:
   """A :class:`BudgetController` for ``n`` rows at one target ``budget`` (``"kappa,rho,bits"``
-  or a 3-sequence; :func:`parse_budget`) over the engine's LM embedding."""
+  or a 3-sequence; :func:`parse_budget`) over the engine's LM embedding; ``budget_guard``
+  (None: off) and ``sparsity`` as :class:`BudgetController`.
+
+  Raises:
+    ValueError: a bad budget or guard tolerance (:class:`BudgetController`)."""
   embed = nnx.merge(engine.graphdef, engine.state).embed[...]
   tg = np.tile(parse_budget(budget), (n, 1))
   return BudgetController(policy, grid, tg, horizon, embed, temperature=temperature,
-                          greedy=greedy, seed=seed)
+                          greedy=greedy, seed=seed, budget_guard=budget_guard,
+                          sparsity=sparsity)
 
 
 @register("sol")
 def _sol(engine: Engine, prompts: Sequence[Sequence[int]], tag_vocab=None, *, policy=None,
          grid: ActionGrid | None = None, budget="0.5,0.8,8", sparsity: str = DEFAULT_SPARSITY,
-         actor=None, greedy_policy: bool = True, gather: bool = True, **kw) -> Scheduler:
+         actor=None, greedy_policy: bool = True, gather: bool = True,
+         budget_guard: float | None = None, **kw) -> Scheduler:
   """SOL decoding (:class:`SOLScheduler`): ``policy`` (a trained
   :class:`~selforch_jax.models.sol_policy.SolPolicy`) and its ``grid`` at target ``budget``
-  (greedy actions by default, upstream's evaluation), or a ready ``actor``; ``gather``: QUEST
-  decode steps attend over the gathered kept pages (:class:`SOLScheduler`); ``tag_vocab``
-  unused.
+  (greedy actions by default, upstream's evaluation), or a ready ``actor``; ``budget_guard``:
+  the guard's tolerance (usage units; None: off; :class:`BudgetController`), for the policy
+  built here; ``gather``: QUEST decode steps attend over the gathered kept pages
+  (:class:`SOLScheduler`); ``tag_vocab`` unused.
 
   Raises:
-    ValueError: neither ``policy`` + ``grid`` nor ``actor``; a bad budget.
+    ValueError: neither ``policy`` + ``grid`` nor ``actor``; a bad budget or guard tolerance.
     ContextLengthError: a prompt plus ``max_new_tokens`` exceeds the model's context."""
   max_new = int(kw.get("max_new_tokens", 128))
   check_context([len(p) for p in prompts], max_new, engine.cfg.max_position_embeddings)
@@ -262,7 +274,8 @@ def _sol(engine: Engine, prompts: Sequence[Sequence[int]], tag_vocab=None, *, po
       raise ValueError("runtime 'sol' needs a trained policy (a SOL adapter) or an actor")
     actor = make_controller(engine, policy, grid, budget, len(prompts), max_new,
                             greedy=greedy_policy, seed=kw.get("sampling").seed
-                            if kw.get("sampling") is not None else 0)
+                            if kw.get("sampling") is not None else 0,
+                            budget_guard=budget_guard, sparsity=sparsity)
   owner_base, segment_base = fresh_bases(engine)
   return SOLScheduler(prompts, actor=actor, grid=grid, sparsity=sparsity, gather=gather,
                       owner_base=owner_base, segment_base=segment_base, **kw)
