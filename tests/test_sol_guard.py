@@ -31,11 +31,11 @@ def make_policy(model, compute_greedy=False):
   pol = init_policy(SolPolicyConfig(lm_dim=model.cfg.hidden_size, num_actions=27, d_model=32,
                                     num_heads=4, max_len=64), seed=1)
   if compute_greedy:   # logits = 10 x (kappa + rho + bits/16): the dense action first, always
-    pol.pi.kernel.value = jnp.zeros_like(pol.pi.kernel.value)
-    pol.pi.bias.value = jnp.asarray(10.0 * GRID.nominal_usage(np.arange(27)).sum(-1),
-                                    jnp.float32)
-    pol.budget_fc2.kernel.value = jnp.zeros_like(pol.budget_fc2.kernel.value)
-    pol.budget_fc2.bias.value = jnp.zeros_like(pol.budget_fc2.bias.value)
+    pol.pi.kernel.set_value(jnp.zeros_like(pol.pi.kernel[...]))
+    pol.pi.bias.set_value(jnp.asarray(10.0 * GRID.nominal_usage(np.arange(27)).sum(-1),
+                                      jnp.float32))
+    pol.budget_fc2.kernel.set_value(jnp.zeros_like(pol.budget_fc2.kernel[...]))
+    pol.budget_fc2.bias.set_value(jnp.zeros_like(pol.budget_fc2.bias[...]))
   return pol
 
 
