@@ -52,6 +52,9 @@ def test_grids_and_budget_parsing():
   for bad in ("0.5,0.8", "0,0.8,8", "0.5,0.8,17"):
     with pytest.raises(ValueError, match="SOL budget"):
       parse_budget(bad)
+  for bad in ("0.5;0.8;8", "a,b,c", None):   # not numbers: the message shows the format
+    with pytest.raises(ValueError, match=r"'kappa,rho,bits' \(e.g. 0.5,0.8,8\)"):
+      parse_budget(bad)
   with pytest.raises(ValueError, match="dense action"):
     ActionGrid((0.5,), (1.0,), (16,))
   with pytest.raises(ValueError, match="actions must be in"):

@@ -124,8 +124,11 @@ def parse_budget(text) -> np.ndarray:
 
   Raises:
     ValueError: not three numbers, kappa / rho outside (0, 1], bits outside [2, 16]."""
-  vals = [float(x) for x in str(text).split(",")] if isinstance(text, str) else \
-      [float(x) for x in text]
+  try:
+    vals = [float(x) for x in str(text).split(",")] if isinstance(text, str) else \
+        [float(x) for x in text]
+  except (TypeError, ValueError):
+    vals = []
   if len(vals) != 3:
     raise ValueError(f"SOL budget must be 'kappa,rho,bits' (e.g. 0.5,0.8,8), got {text!r}")
   k, r, b = vals
