@@ -114,8 +114,11 @@ def main(argv=None):
   ap.add_argument("--name", default="sol_cpu")
   ap.add_argument("--seed", type=int, default=0)
   a = ap.parse_args(argv)
-  if a.budget_guard is not None and not (np.isfinite(a.budget_guard) and a.budget_guard >= 0):
-    ap.error(f"--budget_guard must be a tolerance >= 0, got {a.budget_guard}")
+  from selforch_jax.runtime.sol_control import budget_guard_option
+  try:   # the decode CLI's check (>= 0, finite); the bench passes the tolerance itself on
+    budget_guard_option(a.budget_guard)
+  except ValueError as e:
+    ap.error(f"--budget_guard: {e}")
   if a.timing_reps < 0:
     ap.error(f"--timing_reps must be >= 0, got {a.timing_reps}")
 
