@@ -263,7 +263,8 @@ def earlier_ar(path: str, args) -> dict:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--task", default="cities", choices=TASKS)
-  ap.add_argument("--pd_adapter", default="adapters/pd_smollm2_135m")
+  ap.add_argument("--pd_adapter", default="adapters/pd_smollm2_135m",
+                  help="the Planned Diffusion adapter ('' skips the PD system)")
   ap.add_argument("--ar_adapter", default="")
   ap.add_argument("--ar_from", default="",
                   help="the AR-SFT records of an earlier run (its JSON) instead of --ar_adapter")
@@ -297,6 +298,10 @@ def main(argv=None):
     ap.error("--n must be >= 1, --warmup and --dream >= 0")
   if not 0.0 <= args.threshold <= 1.0:
     ap.error("--threshold must be in [0, 1] (0 = off)")
+  if args.dream and not args.pd_adapter:
+    ap.error("--dream decodes with the PD adapter: it needs --pd_adapter")
+  if not (args.pd_adapter or args.pasta_adapter or args.ar_adapter):
+    ap.error("nothing to run: give --pd_adapter, --pasta_adapter or --ar_adapter")
   from selforch_jax.adapter import load_adapter
 
   examples, warm = _examples(args)
@@ -318,7 +323,8 @@ def main(argv=None):
 
     from selforch_jax import config_lib
     from selforch_jax.eval.pasta import _NLL
-    with open(os.path.join(args.pd_adapter, "adapter_config.json")) as f:
+    first = next(a for a in (args.pd_adapter, args.pasta_adapter, args.ar_adapter) if a)
+    with open(os.path.join(first, "adapter_config.json")) as f:
       mc = ml_collections.ConfigDict(json.load(f)["model"])
     nll = _NLL(config_lib.load_model(mc)[1])     # the base weights (no LoRA)
   prompts = {s: [sy.tok.encode_chat(ex["messages"], add_generation_prompt=True)
@@ -346,7 +352,7 @@ def main(argv=None):
         r.update(k=len(ex["cities"]), **score_answer(ex, r["text"]))
         msg = f"items {r['items_correct']}/{r['items']}"
       else:
-        base_prompt = prompts["pd"][i]
+        base_prompt = next(iter(prompts.values()))[i]
         r["nll"] = nll(base_prompt, r["ids"]) if r["ids"] else None
         msg = f"nll {r['nll']}"
       records[s].append(r)
@@ -361,7 +367,7 @@ def main(argv=None):
       + ", greedy, batch 1",
       command="python bench/planned_diffusion.py " + " ".join(argv or sys.argv[1:]),
       args=vars(args), machine=machine_info(), load_before=load_before, load_after=loadavg(),
-      elapsed_s=time.time() - t0, n_done=len(records["pd"]),
+      elapsed_s=time.time() - t0, n_done=min(len(r) for r in records.values()),
       systems={s: summarize(r, args.task, args.n_boot, 0) for s, r in records.items()})
   if ar_prev is not None:
     out["ar_from"] = {k: ar_prev[k] for k in ("path", "command", "load_before", "load_after")}

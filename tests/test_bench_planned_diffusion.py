@@ -135,3 +135,17 @@ def test_pareto_of_variants(tmp_path, capsys):
   (tmp_path / "bad.json").write_text(json.dumps(bad))
   with pytest.raises(ValueError, match="seed"):
     mod.load_runs([paths[1], str(tmp_path / "bad.json")])
+
+def test_bench_without_pd(tmp_path, tiny_adapter):
+  """--pd_adapter='' runs PASTA vs AR alone (alpaca: the NLL's base weights come from the first
+  adapter given); --dream without the PD adapter is an error."""
+  bench = _load_bench()
+  out = bench.main(["--task=alpaca", "--pd_adapter=", f"--ar_adapter={tiny_adapter}",
+                    f"--pasta_adapter={tiny_adapter}", "--n=2", "--warmup=0",
+                    "--max_new_tokens=12", "--n_boot=50", "--prompt_tokens=400",
+                    f"--out={tmp_path / 'nopd.json'}"])
+  assert set(out["systems"]) == {"ar", "pasta"} and out["n_done"] == 2
+  assert set(out["vs_ar"]) == {"pasta"} and out["vs_ar"]["pasta"]["critical_path_ratio"]["n"] == 2
+  assert all(r["nll"] is None or r["nll"] > 0 for r in out["records"]["pasta"])
+  with pytest.raises(SystemExit):
+    bench.main(["--pd_adapter=", "--dream=8", f"--ar_adapter={tiny_adapter}", "--n=1"])
