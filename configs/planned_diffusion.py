@@ -22,7 +22,8 @@ Run:
 Argument: ``STAGE[,key=value,...]``; STAGE is ``pd`` (default), ``ar_only``, ``no_topic``,
 ``no_sync``, ``full_attention`` or ``pasta``. Keys: ``model`` (a preset; smollm2_135m loads the
 GGUF weights, others are random with the SmolLM2 tokenizer), ``steps``, ``seq_len``, ``batch_size``,
-``lora_rank``, ``n`` (training examples), ``lr``, ``ar_over_t`` (upstream's AR/t), ``adapter_out``,
+``lora_rank`` (0 = full fine-tune: no adapter is exported, the Orbax checkpoint holds the
+weights), ``n`` (training examples), ``lr``, ``ar_over_t`` (upstream's AR/t), ``adapter_out``,
 ``init_adapter`` (an adapter directory of the same LoRA rank whose LoRA + tag rows the run
 starts from, e.g. ``adapters/pd_smollm2_135m`` to continue its training).
 """
@@ -39,9 +40,9 @@ def get_config(arg=None):
   a = config_lib.parse_arg(rest, model="smollm2_135m", steps=120, seq_len=512, batch_size=4,
                            lora_rank=8, n=2000, lr=4e-4, ar_over_t=False, adapter_out="",
                            init_adapter="")
-  if a.lora_rank < 1 or a.steps < 1 or a.n < 1:
-    raise config_lib.ConfigError("configs/planned_diffusion.py: lora_rank, steps and n must be "
-                                 ">= 1")
+  if a.lora_rank < 0 or a.steps < 1 or a.n < 1:
+    raise config_lib.ConfigError("configs/planned_diffusion.py: steps and n must be >= 1, "
+                                 "lora_rank >= 0 (0 = full fine-tune)")
   c = defaults()
   c.trainer = "planned_diffusion"
   c.model.preset = a.model
@@ -50,7 +51,7 @@ def get_config(arg=None):
   else:
     c.model.weights, c.model.tokenizer = "random", "smollm2_gguf"
   c.model.tags = True
-  c.model.lora_rank = a.lora_rank           # CPU: LoRA (upstream: full fine-tune)
+  c.model.lora_rank = a.lora_rank           # CPU: LoRA (upstream: full fine-tune = lora_rank=0)
   c.model.lora_alpha = 2.0 * a.lora_rank
   c.model.remat = True                      # CPU memory
   c.train.train_embed_rows_from = BASE_VOCAB  # the new tag rows train too
