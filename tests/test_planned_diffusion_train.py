@@ -125,3 +125,22 @@ def test_eval_noise_is_fixed_across_steps(tmp_path):
   at7 = trainer.eval_loss(batches)
   assert at0 == at7 and at0["eval_diff_ce"] > 0
   assert not np.array_equal(trainer.noise_key(0, 2), trainer.noise_key(7, 2))
+
+
+def test_full_fine_tune(tmp_path):
+  """lora_rank=0 is a full fine-tune: the joint loss falls, no adapter is exported (the Orbax
+  checkpoint holds the weights); a negative rank is a config error."""
+  from selforch_jax.trainers.run import train
+  c = load_config_file("configs/planned_diffusion.py",
+                       "model=tiny_smollm2,steps=4,seq_len=384,batch_size=2,n=24,lr=3e-3,"
+                       "lora_rank=0")
+  assert c.model.lora_rank == 0
+  c.train.async_checkpoint, c.train.eval_every, c.data.eval_fraction = False, 4, 0.25
+  out = train(c, str(tmp_path / "full"))
+  assert out["step"] == 4 and "adapter" not in out and os.path.isdir(out["checkpoint"])
+  with open(tmp_path / "full" / "metrics.jsonl") as f:
+    ev = [r for r in map(json.loads, f) if "eval_loss" in r]
+  assert ev[-1]["eval_loss"] < ev[0]["eval_loss"]
+  from selforch_jax.api import ApiError
+  with pytest.raises(ApiError, match="lora_rank >= 0"):
+    load_config_file("configs/planned_diffusion.py", "lora_rank=-1")
