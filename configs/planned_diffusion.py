@@ -25,7 +25,12 @@ GGUF weights, others are random with the SmolLM2 tokenizer), ``steps``, ``seq_le
 ``lora_rank`` (0 = full fine-tune: no adapter is exported, the Orbax checkpoint holds the
 weights), ``n`` (training examples), ``lr``, ``ar_over_t`` (upstream's AR/t), ``adapter_out``,
 ``init_adapter`` (an adapter directory of the same LoRA rank whose LoRA + tag rows the run
-starts from, e.g. ``adapters/pd_smollm2_135m`` to continue its training).
+starts from, e.g. ``adapters/pd_smollm2_135m`` to continue its training), ``data``: ``cities``
+(default, the synthetic task above) or ``chat`` (the PASTA-annotated chat records of
+``data/pasta/train.jsonl`` converted by :func:`selforch_jax.data.planned_diffusion_data.
+chat_pd_records`: N = ceil(chunk tokens / 10), 0-10 ``[PAD]`` per chunk capped to the 10*N
+scaffold, rows without a plan dropped; ``n`` is then unused), e.g.
+``configs/planned_diffusion.py:pd,data=chat,steps=110,batch_size=2,lr=1e-3``.
 """
 
 from selforch_jax import config_lib
@@ -33,13 +38,17 @@ from selforch_jax.trainers.run import defaults
 
 STAGES = ("pd", "ar_only", "no_topic", "no_sync", "full_attention", "pasta")
 BASE_VOCAB = 49152  # SmolLM2 tokenizer size: tag rows start here
+DATA = ("cities", "chat")
 
 
 def get_config(arg=None):
   stage, rest = config_lib.split_stage(arg, STAGES, "configs/planned_diffusion.py")
   a = config_lib.parse_arg(rest, model="smollm2_135m", steps=120, seq_len=512, batch_size=4,
                            lora_rank=8, n=2000, lr=4e-4, ar_over_t=False, adapter_out="",
-                           init_adapter="")
+                           init_adapter="", data="cities")
+  if a.data not in DATA:
+    raise config_lib.ConfigError(f"configs/planned_diffusion.py: data={a.data!r} must be one of "
+                                 f"{DATA}")
   if a.lora_rank < 0 or a.steps < 1 or a.n < 1:
     raise config_lib.ConfigError("configs/planned_diffusion.py: steps and n must be >= 1, "
                                  "lora_rank >= 0 (0 = full fine-tune)")
@@ -64,7 +73,8 @@ def get_config(arg=None):
   p.full_attention = stage == "full_attention"
   p.pasta = stage == "pasta"
   p.ar_over_t = bool(a.ar_over_t)
-  p.cities_n = a.n                          # CPU: 2000 examples (seed 0)
+  p.source = a.data                         # cities | chat (the records the run writes)
+  p.cities_n = a.n                          # CPU: 2000 examples (seed 0); chat: unused
   p.cities_seed = 0
   p.adapter_out = a.adapter_out
   p.init_adapter = a.init_adapter

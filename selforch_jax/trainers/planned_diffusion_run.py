@@ -1,6 +1,8 @@
 """The Planned Diffusion run pieces the shared training loop (:func:`selforch_jax.trainers.run.
 train`) uses when ``config.trainer == "planned_diffusion"``: :func:`validate_pd`, :func:`build_pd`
-(model + LoRA + tag rows, the synthetic cities cache, the trainer, grain datasets, Orbax
+(model + LoRA + tag rows, the synthetic cities cache or, with ``planned_diffusion.source="chat"``,
+the converted PASTA chat records (:func:`~selforch_jax.data.planned_diffusion_data.
+ensure_chat_pd_data`, ``pd_chat_train.jsonl`` in the workdir), the trainer, grain datasets, Orbax
 checkpointer) and :func:`export_pd` (the LoRA + tag-row adapter at the end of a run,
 :func:`selforch_jax.adapter.export_adapter`).
 
@@ -19,6 +21,8 @@ import ml_collections
 from selforch_jax import config_lib
 
 CACHE_FILE = "cities_train.jsonl"
+CHAT_CACHE_FILE = "pd_chat_train.jsonl"
+SOURCES = ("cities", "chat")
 
 
 def validate_pd(config: ml_collections.ConfigDict) -> None:
@@ -27,6 +31,12 @@ def validate_pd(config: ml_collections.ConfigDict) -> None:
   p, d = config.planned_diffusion, config.data
   if not 0.0 < p.eps < 1.0:
     raise config_lib.ConfigError(f"planned_diffusion.eps={p.eps} must be in (0, 1)")
+  if p.source not in SOURCES:
+    raise config_lib.ConfigError(f"planned_diffusion.source={p.source!r} must be one of "
+                                 f"{SOURCES}")
+  if p.source == "chat" and (p.no_topic or p.no_sync or p.pasta):
+    raise config_lib.ConfigError("planned_diffusion.source='chat' has no no_topic, no_sync or "
+                                 "pasta variant")
   if p.cities_n < 0:
     raise config_lib.ConfigError(f"planned_diffusion.cities_n={p.cities_n} must be >= 0 "
                                  "(0 = data.path holds the records)")
@@ -63,7 +73,8 @@ def data_section(config, workdir: str) -> dict:
   """The data config the run reads: ``data.path``, or the cities cache in the workdir."""
   d = config.data.to_dict()
   if config.planned_diffusion.cities_n > 0:
-    d["path"] = d["path"] or os.path.join(os.path.abspath(workdir), CACHE_FILE)
+    cache = CHAT_CACHE_FILE if config.planned_diffusion.source == "chat" else CACHE_FILE
+    d["path"] = d["path"] or os.path.join(os.path.abspath(workdir), cache)
   return d
 
 
@@ -74,7 +85,7 @@ def build_pd(config, workdir: str):
   from selforch_jax import sharding as shd
   from selforch_jax.adapter import load_adapter_weights
   from selforch_jax.data.pipeline import make_dataset
-  from selforch_jax.data.planned_diffusion_data import ensure_cities_data
+  from selforch_jax.data.planned_diffusion_data import ensure_chat_pd_data, ensure_cities_data
   from selforch_jax.lang.tags import TagVocab
   from selforch_jax.models.transformer import add_lora
   from selforch_jax.trainers.checkpoint import Checkpointer
@@ -87,7 +98,10 @@ def build_pd(config, workdir: str):
     raise config_lib.ConfigError("training needs a tokenizer: set model.tokenizer or use GGUF/HF "
                                  "weights")
   data = data_section(config, workdir)
-  if p.cities_n > 0:
+  if p.cities_n > 0 and p.source == "chat":
+    ensure_chat_pd_data(data["path"], lambda s: len(tok.encode(s)), seed=int(p.cities_seed),
+                        pad=not p.pasta)
+  elif p.cities_n > 0:
     ensure_cities_data(data["path"], lambda s: len(tok.encode(s)), n=int(p.cities_n),
                        seed=int(p.cities_seed), no_topic=bool(p.no_topic),
                        no_sync=bool(p.no_sync), pad=not p.pasta)
