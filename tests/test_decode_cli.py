@@ -59,6 +59,20 @@ ERRORS = {
     "orthrus_denoise_fused": ([*TINY, "--config.runtime=orthrus", "--config.adapter=/no/such",
                                "--config.orthrus.fused=True", "--config.orthrus.denoise_steps=2",
                                "--prompt=hi"], "denoise_steps=2"),
+    # planned_diffusion options too (they failed after the model had loaded)
+    "pd_steps_ratio": ([*TINY, "--config.runtime=planned_diffusion", "--config.adapter=/no/such",
+                        "--config.planned_diffusion.steps_ratio=-1", "--prompt=hi"],
+                       "steps_ratio must be > 0, got -1"),
+    "pd_threshold": ([*TINY, "--config.runtime=planned_diffusion", "--config.adapter=/no/such",
+                      "--config.planned_diffusion.threshold=1.5", "--prompt=hi"],
+                     "0 on the command line), got 1.5"),
+    "pd_confidence": ([*TINY, "--config.runtime=planned_diffusion", "--config.adapter=/no/such",
+                       "--config.planned_diffusion.confidence=bogus", "--prompt=hi"],
+                      "confidence must be one of"),
+    "pd_full_diffusion": ([*TINY, "--config.runtime=planned_diffusion",
+                           "--config.adapter=/no/such",
+                           "--config.planned_diffusion.full_diffusion=-3", "--prompt=hi"],
+                          "full_diffusion must be >= 1"),
 }
 
 

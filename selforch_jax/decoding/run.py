@@ -26,6 +26,7 @@ import ml_collections
 
 from selforch_jax import config_lib
 from selforch_jax.runtime.schedulers.orthrus import check_options as check_orthrus_options
+from selforch_jax.runtime.schedulers.planned_diffusion import check_options as check_pd_options
 from selforch_jax.runtime.sol_control import DEFAULT_BUDGET_GUARD, budget_guard_option
 
 # one line per config key (``--help`` lists them with their defaults)
@@ -156,6 +157,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     try:
       check_orthrus_options(o.block_size, o.fused, o.fuse_at, o.denoise_steps)
     except ValueError as e:
+      raise config_lib.ConfigError(str(e)) from None
+  if config.runtime == "planned_diffusion":
+    try:
+      check_pd_options(**options(config))
+    except (ValueError, TypeError) as e:
       raise config_lib.ConfigError(str(e)) from None
   if config.batch_size < 1 or config.page_size < 1 or config.budget < 1:
     raise config_lib.ConfigError("batch_size, page_size and budget must be >= 1")

@@ -253,21 +253,10 @@ class PlannedDiffusionScheduler(Scheduler):
       raise ValueError("PlannedDiffusionScheduler needs at least one prompt, none empty")
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not steps_ratio > 0:
-      raise ValueError(f"steps_ratio must be > 0, got {steps_ratio}")
-    if not 0.0 < eps < 1.0:
-      raise ValueError(f"eps must be in (0, 1), got {eps}")
-    if confidence not in CONFIDENCES:
-      raise ValueError(f"confidence must be one of {CONFIDENCES}, got {confidence!r}")
-    if threshold is not None and not 0.0 < float(threshold) <= 1.0:
-      raise ValueError(f"threshold must be None or in (0, 1], got {threshold}")
-    for name, v in (("max_promises", max_promises), ("max_rounds", max_rounds),
-                    ("plan_cap", plan_cap), ("default_length", default_length),
-                    ("max_length", max_length)):
-      if int(v) < 1:
-        raise ValueError(f"{name} must be >= 1, got {v}")
-    if full_diffusion is not None and int(full_diffusion) < 1:
-      raise ValueError(f"full_diffusion must be None or >= 1, got {full_diffusion}")
+    check_options(steps_ratio=steps_ratio, eps=eps, confidence=confidence, threshold=threshold,
+                  max_promises=max_promises, max_rounds=max_rounds, plan_cap=plan_cap,
+                  default_length=default_length, max_length=max_length,
+                  full_diffusion=full_diffusion)
     if full_diffusion is not None and max_new_tokens < 3:
       raise ValueError(f"full_diffusion needs max_new_tokens >= 3, got {max_new_tokens}")
     if not tag_vocab.digit_ids:
@@ -733,3 +722,38 @@ def _planned_diffusion(engine: Engine, prompts: Sequence[Sequence[int]], **kw) -
   kw.setdefault("vocab_size", int(engine.cfg.vocab_size))
   return PlannedDiffusionScheduler(prompts, tv, owner_base=owner_base, segment_base=segment_base,
                                    **kw)
+
+
+def check_options(*, steps_ratio: float = DEFAULTS["steps_ratio"], eps: float = DEFAULTS["eps"],
+                  confidence: str = DEFAULTS["confidence"], threshold: float | None = None,
+                  max_promises: int = DEFAULTS["max_promises"],
+                  max_rounds: int = DEFAULTS["max_rounds"], plan_cap: int = DEFAULTS["plan_cap"],
+                  default_length: int = DEFAULTS["default_length"],
+                  max_length: int = DEFAULTS["max_length"], full_diffusion: int | None = None,
+                  **_ignored) -> None:
+  """Check Planned Diffusion's decoding options before any work (the scheduler and the decode
+  CLI, which calls it before the model loads, with its 0 = off mapped to None). ``threshold``
+  and ``full_diffusion`` are off at None; other keys (``pad_last``, ``spread``, ...) are
+  ignored.
+
+  Raises:
+    ValueError: naming the bad option and its valid range.
+  """
+  if not float(steps_ratio) > 0:
+    raise ValueError(f"planned_diffusion steps_ratio must be > 0, got {steps_ratio}")
+  if not 0.0 < float(eps) < 1.0:
+    raise ValueError(f"planned_diffusion eps must be in (0, 1), got {eps}")
+  if confidence not in CONFIDENCES:
+    raise ValueError(f"planned_diffusion confidence must be one of {CONFIDENCES}, "
+                     f"got {confidence!r}")
+  if threshold is not None and not 0.0 < float(threshold) <= 1.0:
+    raise ValueError(f"planned_diffusion threshold must be in (0, 1] (off: None in Python, 0 on "
+                     f"the command line), got {threshold}")
+  for name, v in (("max_promises", max_promises), ("max_rounds", max_rounds),
+                  ("plan_cap", plan_cap), ("default_length", default_length),
+                  ("max_length", max_length)):
+    if int(v) < 1:
+      raise ValueError(f"planned_diffusion {name} must be >= 1, got {v}")
+  if full_diffusion is not None and int(full_diffusion) < 1:
+    raise ValueError(f"planned_diffusion full_diffusion must be >= 1 (off: None in Python, 0 on "
+                     f"the command line), got {full_diffusion}")
