@@ -94,6 +94,27 @@ def test_train_equals_decode_every_step(tiny, full_attention):
   assert all(TV.mask not in s.sequence(i) for i in range(2))
 
 
+@pytest.mark.parametrize("full_attention", [False, True])
+def test_denoise_steps_skip_complete_chunks(tiny, full_attention):
+  """A denoising step queries only the chunks that still hold a mask (chunks of 2, 6 and 4
+  slots: the short ones complete first), every chunk under full attention (siblings see it)."""
+  model, _, _ = tiny
+  engine = Engine(model, num_pages=128, page_size=4)
+  s = pd.PlannedDiffusionScheduler(PROMPTS, TV, 40, stop_ids=[EOS], length_unit=UNIT,
+                                   vocab_size=V, full_attention=full_attention)
+  skipped = 0
+  while (plan := s.next_step()) is not None:
+    if plan.tag[0] == "denoise":
+      chunks = [c for ri in {ri for ri, _ in plan.tag[2]} for c in s.reqs[ri].chunks]
+      live = [c for c in chunks if c.masked.any()]
+      want = chunks if full_attention else live
+      assert len(plan.tokens) == sum(c.length + 2 for c in want)
+      skipped += len(chunks) - len(live)
+    s.on_step(plan, execute(engine, plan))
+  assert skipped > 0          # some chunk completed before the round's last step
+  assert [st["denoise_steps"] for st in s.stats] == [3 * UNIT, 2 * UNIT]
+
+
 def test_batch_equals_single(tiny):
   model, _, _ = tiny
   kw = dict(stop_ids=[EOS], length_unit=UNIT, vocab_size=V)

@@ -15,9 +15,11 @@ every token):
    prefix and the whole plan, themselves bidirectionally, not their siblings), so positions,
    segments and visibility are those of the training forward.
 3. **Denoising**: ``steps = max(1, int(steps_ratio * longest chunk))`` iterations, noise levels
-   ``linspace(1, eps, steps + 1)``. Each iteration is one *scratch* engine step over every chunk
-   of every request in this phase (their K/V are attended to by the step and released: the pool
-   keeps none of a noisy state); row j-1 of a chunk predicts its token j (the Dream shift). Per
+   ``linspace(1, eps, steps + 1)``. Each iteration is one *scratch* engine step over every
+   still-masked chunk of every request in this phase (their K/V are attended to by the step and
+   released: the pool keeps none of a noisy state; a complete chunk is not re-run: its siblings
+   never see it, except under ``full_attention``, and its final state is written at the sync
+   step); row j-1 of a chunk predicts its token j (the Dream shift). Per
    chunk, the ``max(1, int(masked * (1 - s / t)))`` most confident still-masked positions are
    committed (:mod:`selforch_jax.runtime.diffusion_unmask`: entropy / margin / prob confidence),
    all of them at the last iteration (Dream); or, with ``threshold`` (Fast-dLLM, Wu et al.
@@ -400,6 +402,8 @@ class PlannedDiffusionScheduler(Scheduler):
         r.forwards += 1
         r.denoise_steps += 1
         for c in r.chunks:
+          if not c.masked.any() and not self.full_attention:   # complete: no sibling sees
+            continue                                               # it, its state is final
           first = len(q)
           for i in range(c.start, c.start + c.length + 2):
             q.append((ri, i, r.scratch_owner))
