@@ -115,7 +115,7 @@ class System:
     if name in ("pd", "dream"):
       self.kw.update(tag_vocab=self.tv, steps_ratio=args.steps_ratio, confidence=args.confidence,
                      threshold=args.threshold or None, pad_last=args.pad_last,
-                     spread=args.spread)
+                     spread=args.spread, window=args.window, pad_tail=args.pad_tail)
     if name == "dream":
       self.kw["full_diffusion"] = args.dream
 
@@ -283,6 +283,11 @@ def main(argv=None):
   ap.add_argument("--spread", action="store_true",
                   help="PD / Dream: never commit two adjacent positions of a chunk in one "
                        "denoising step (the last step commits everything left)")
+  ap.add_argument("--window", type=int, default=0,
+                  help="PD / Dream: semi-autoregressive unmasking, only a chunk's first W "
+                       "masked positions are candidates (0 = off)")
+  ap.add_argument("--pad_tail", action="store_true",
+                  help="PD / Dream: a committed [PAD] fills the rest of its chunk with [PAD]")
   ap.add_argument("--threshold", type=float, default=0.0,
                   help="PD / Dream: Fast-dLLM unmasking, every masked position whose top "
                        "probability is >= this per step (0 = off: steps_ratio's schedule)")
@@ -296,6 +301,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.n < 1 or args.warmup < 0 or args.dream < 0:
     ap.error("--n must be >= 1, --warmup and --dream >= 0")
+  if args.window < 0:
+    ap.error("--window must be >= 0 (0 = off)")
   if not 0.0 <= args.threshold <= 1.0:
     ap.error("--threshold must be in [0, 1] (0 = off)")
   if args.dream and not args.pd_adapter:

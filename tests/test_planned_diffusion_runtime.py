@@ -376,3 +376,62 @@ def test_spread_never_commits_neighbours_in_one_step():
   assert _drive_spread(False, threshold=0.2) == (list(range(101, 109)), [list(range(8))])
   assert _drive_spread(True, threshold=0.2) == (list(range(101, 109)),
                                                 [[0, 2, 4, 6], [1, 3, 5, 7]])
+
+
+def _drive_script(want, conf, **kw):
+  """One teacher-forced chunk of 8 slots under a scripted denoiser: slot j predicts ``want[j]``
+  with logit ``conf[j]`` (the rest 0), whatever the chunk holds. Returns (the chunk's final
+  tokens, the slots committed at each iteration, the scheduler)."""
+  s = pd.PlannedDiffusionScheduler([_plan_prompt([70, 71, 72], (4,))], TV, 40, stop_ids=[EOS],
+                                   length_unit=UNIT, vocab_size=V, **kw)
+  steps = []
+  while (plan := s.next_step()) is not None:
+    T = len(plan.tokens)
+    lg = np.zeros((T, V), np.float32)
+    lg[:, EOS] = 10.0
+    kind, info, _ = plan.tag
+    before = None
+    if kind == "denoise":
+      (_, c, first), = info
+      before = c.masked.copy()
+      for j in range(c.length):
+        lg[first + j, want[j]] = conf[j]
+    s.on_step(plan, StepResult(logits=jnp.asarray(lg), slots=np.arange(T), released_pages=[]))
+    if before is not None:
+      steps.append(np.flatnonzero(before & ~c.masked).tolist())
+  resp = s.results[0].token_ids
+  assert s.stats[0]["denoise_steps"] == len(steps)
+  return resp[resp.index(TV.async_open) + 1:resp.index(TV.async_close)], steps, s
+
+
+def test_window_unmasks_left_to_right():
+  want, rising = list(range(101, 109)), [4.0 + 0.5 * j for j in range(8)]
+  # confidence rises to the right: plain order fills the chunk right to left
+  _, steps, _ = _drive_script(want, rising, steps_ratio=1.0)
+  assert steps == [[7], [6], [5], [4], [3], [2], [1], [0]]
+  # window 1: left to right whatever the confidence, one slot per iteration
+  tokens, steps, _ = _drive_script(want, rising, steps_ratio=1.0, window=1)
+  assert tokens == want and steps == [[j] for j in range(8)]
+  # window 2 at ratio 0.5 (counts 1, 2, 2, 3): the more confident of the first two masked
+  # slots, then both of the next two, ...; the last iteration commits everything left
+  _, steps, _ = _drive_script(want, rising, steps_ratio=0.5, window=2)
+  assert steps == [[1], [0, 2], [3, 4], [5, 6, 7]]
+  # with the threshold (every slot's top probability is over it): the window's slots only
+  _, steps, _ = _drive_script(want, [8.0] * 8, threshold=0.2, window=3)
+  assert steps == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_pad_tail_and_text_cut_at_first_pad():
+  # the answer [101, 102, 103] then filler; the denoiser writes junk (200) after the filler
+  want = [101, 102, 103, TV.pad, 200, 200, 200, 200]
+  conf = [6.0] * 8
+  tokens, steps, s = _drive_script(want, conf, steps_ratio=1.0, window=1)
+  assert tokens == want and len(steps) == 8
+  assert s.text_ids(0) == [101, 102, 103]          # the text ends at the chunk's first [PAD]
+  assert s.stats[0]["content_tokens"] == 3
+  tokens, steps, s = _drive_script(want, conf, steps_ratio=1.0, window=1, pad_tail=True)
+  # the [PAD] at slot 3 fills slots 4..7 in its iteration: the chunk is done after 4
+  assert tokens == [101, 102, 103] + [TV.pad] * 5 and steps == [[0], [1], [2], [3, 4, 5, 6, 7]]
+  assert s.text_ids(0) == [101, 102, 103] and s.stats[0]["denoise_steps"] == 4
+  with pytest.raises(ValueError, match="window must be >= 0"):
+    pd.check_options(window=-1)

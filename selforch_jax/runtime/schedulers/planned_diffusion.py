@@ -40,7 +40,16 @@ every token):
    left, adjacent or not, so a chunk always completes in exactly ``steps`` iterations (the
    same bound as without ``spread``). With ``threshold``, ``spread`` commits the positions over
    the threshold in confidence order minus those next to one already picked (at least the most
-   confident candidate), until none is masked. Chunk tokens are the argmax over non-tag tokens and
+   confident candidate), until none is masked. ``window=W`` (0 = off; the semi-autoregressive
+   order of LLaDA, Nie et al. 2025, as a sliding window): only the first ``W`` still-masked
+   positions of a chunk are candidates for every rule above (the last iteration still commits
+   everything left); ``window=1`` fills each chunk left to right, one token per iteration, all
+   chunks of the round in parallel. ``pad_tail`` (off by default): when an iteration commits a
+   ``[PAD]`` at position j, every still-masked position after j is committed as ``[PAD]`` in the
+   same iteration (training puts filler only at a chunk's tail), so a chunk that has ended
+   stops costing iterations; a request leaves the denoising phase as soon as none of its chunks
+   holds a mask. A chunk's text ends at its first ``[PAD]`` (:meth:`PlannedDiffusionScheduler.text`:
+   anything committed after it is filler the training format never has). Chunk tokens are the argmax over non-tag tokens and
    ``[PAD]`` (a chunk cannot write a tag or a stop token, so its layout never changes).
 4. **Sync**: one non-scratch step writes the final state of every chunk (its clean K/V) and
    ``<sync/>`` (seeing those chunks, in the same step); its logits give the next AR token.
@@ -90,7 +99,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from selforch_jax.lang import PromiseClosed, Sync, TagVocab, assemble
+from selforch_jax.lang import PromiseClosed, Sync, TagVocab
 from selforch_jax.lang.events import PromiseAbandoned, PromiseOpened
 from selforch_jax.lang.assemble import assemble_pieces, join_pieces
 from selforch_jax.lang.mask import LayoutBuilder
@@ -107,7 +116,7 @@ __all__ = ["PlannedDiffusionScheduler", "chunk_predictions", "DEFAULTS"]
 
 DEFAULTS = dict(steps_ratio=1.0, eps=1e-3, confidence="entropy", threshold=None, max_promises=8,
                 max_rounds=4, plan_cap=96, default_length=2, max_length=8, full_diffusion=None,
-                pad_last=False, spread=False)
+                pad_last=False, spread=False, window=0, pad_tail=False)
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
@@ -226,6 +235,10 @@ class PlannedDiffusionScheduler(Scheduler):
     pad_last: commit ``[PAD]`` predictions after every content prediction (module docstring).
     spread: never commit two adjacent positions of a chunk in one denoising iteration, except
       at the last one, which commits everything left (module docstring).
+    window: 0 (off), or W >= 1: semi-autoregressive unmasking, only the chunk's first W
+      still-masked positions may be committed, except at the last iteration (module docstring).
+    pad_tail: a committed ``[PAD]`` commits every later masked position of its chunk as
+      ``[PAD]`` in the same iteration (module docstring).
     cap, length_unit: parser settings (10 tokens per promise unit).
     owner_base / segment_base: first owner / segment id this job uses.
 
@@ -250,7 +263,7 @@ class PlannedDiffusionScheduler(Scheduler):
                length_unit: int = TOKENS_PER_UNIT, owner_base: int = 0, segment_base: int = 0,
                vocab_size: int | None = None, full_attention: bool = False,
                full_diffusion: int | None = None, pad_last: bool = False,
-               spread: bool = False):
+               spread: bool = False, window: int = 0, pad_tail: bool = False):
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("PlannedDiffusionScheduler needs at least one prompt, none empty")
     if max_new_tokens < 1:
@@ -258,7 +271,7 @@ class PlannedDiffusionScheduler(Scheduler):
     check_options(steps_ratio=steps_ratio, eps=eps, confidence=confidence, threshold=threshold,
                   max_promises=max_promises, max_rounds=max_rounds, plan_cap=plan_cap,
                   default_length=default_length, max_length=max_length,
-                  full_diffusion=full_diffusion)
+                  full_diffusion=full_diffusion, window=window)
     if full_diffusion is not None and max_new_tokens < 3:
       raise ValueError(f"full_diffusion needs max_new_tokens >= 3, got {max_new_tokens}")
     if not tag_vocab.digit_ids:
@@ -277,6 +290,8 @@ class PlannedDiffusionScheduler(Scheduler):
     self.full_attention = bool(full_attention)
     self.pad_last = bool(pad_last)
     self.spread = bool(spread)
+    self.window = int(window)
+    self.pad_tail = bool(pad_tail)
     self.full_diffusion = None if full_diffusion is None else int(full_diffusion)
     digits = str(int(default_length))
     self.default_len = ([tv.space_ids[0]] if tv.space_ids else []) + \
@@ -608,10 +623,14 @@ class PlannedDiffusionScheduler(Scheduler):
       if m == 0:
         continue
       ct, cc, cp = tok[off:off + c.length], conf[off:off + c.length], top[off:off + c.length]
-      cand = c.masked
+      pool = c.masked
+      if self.window:             # semi-AR: the first `window` masked positions only
+        pool = np.zeros_like(c.masked)
+        pool[np.flatnonzero(c.masked)[:self.window]] = True
+      cand = pool
       if self.pad_last:           # content first: [PAD] predictions rank after all content
-        content = c.masked & (ct != self.tv.pad)
-        cand = content if content.any() else c.masked
+        content = pool & (ct != self.tv.pad)
+        cand = content if content.any() else pool
         cc = np.where(ct == self.tv.pad, cc - 1e9, cc)
       if self.threshold is not None:
         commit = cand & (cp >= self.threshold)
@@ -624,12 +643,19 @@ class PlannedDiffusionScheduler(Scheduler):
         i = min(r.step_i, r.steps - 1)
         last = i == r.steps - 1
         n = m if last else unmask_count(m, float(ts[i + 1]), float(ts[i]))
-        if self.spread and not last:    # no two neighbours in one step; the last takes all
-          commit = select_spread(cc, c.masked, n)
+        if last:                        # the last iteration commits every position left
+          commit = c.masked.copy()
+        elif self.spread:               # no two neighbours in one step
+          commit = select_spread(cc, pool, n)
         else:
-          order = np.argsort(-np.where(c.masked, cc, -np.inf), kind="stable")[:n]
+          order = np.argsort(-np.where(pool, cc, -np.inf), kind="stable")
+          order = order[:min(n, int(pool.sum()))]
           commit = np.zeros_like(c.masked)
           commit[order] = True
+      if self.pad_tail and (commit & (ct == self.tv.pad)).any():   # filler only at the tail
+        tail = c.masked & (np.arange(c.length) > int(np.argmax(commit & (ct == self.tv.pad))))
+        ct = np.where(tail & ~commit, self.tv.pad, ct)
+        commit = commit | tail
       c.tokens[commit] = ct[commit]
       c.masked &= ~commit
       for j in np.flatnonzero(commit):
@@ -686,26 +712,52 @@ class PlannedDiffusionScheduler(Scheduler):
           well_formed=not notes))
 
   # ---- outputs --------------------------------------------------------------------------------
-  def _text_ids(self, r: _Req) -> list[int]:
+  def _cut(self, ids: Sequence[int]) -> list[int]:
+    """``ids`` with every chunk token after the chunk's first ``[PAD]`` replaced by ``[PAD]``
+    (the text ends there: training puts filler only at a chunk's tail)."""
+    tv, out, inside, cut = self.tv, [], False, False
+    for t in ids:
+      t = int(t)
+      if t == tv.async_open:
+        inside, cut = True, False
+      elif t == tv.async_close:
+        inside = False
+      elif inside and t == tv.pad:
+        cut = True
+      elif inside and cut:
+        t = tv.pad
+      out.append(t)
+    return out
+
+  def _pieces(self, r: _Req) -> list[tuple[bool, list[int]]]:
+    """``(is_chunk, ids)`` in logical order, tags stripped, each chunk cut at its first
+    ``[PAD]`` (full diffusion: its one chunk)."""
+    strip = lambda ids: [t for t in ids if not self.tv.is_tag(t)]  # noqa: E731
     if r.fd:
-      return [t for t in r.seq[r.resp_start:] if not self.tv.is_tag(t)]
-    ids = assemble(r.seq[r.text_start:], self.tv, length_unit=self.length_unit)
-    return [t for t in ids if not self.tv.is_tag(t)]
+      return [(True, strip(self._cut(r.seq[r.resp_start:])))]
+    pieces = assemble_pieces(self._cut(r.seq[r.text_start:]), self.tv,
+                             length_unit=self.length_unit)
+    return [(c, strip(ids)) for c, ids in pieces]
+
+  def _text_ids(self, r: _Req) -> list[int]:
+    return [t for _, ids in self._pieces(r) for t in ids]
 
   def text_ids(self, i: int) -> list[int]:
-    """Final token ids of request ``i`` in logical order, tags, masks and ``[PAD]`` stripped (a
-    teacher-forced PLAN in the prompt is included from its first promise on)."""
+    """Final token ids of request ``i`` in logical order, tags and masks stripped, each chunk
+    cut at its first ``[PAD]`` (a teacher-forced PLAN in the prompt is included from its first
+    promise on)."""
     return self._text_ids(self.reqs[i])
 
   def text(self, i: int, tokenizer: Any) -> str:
-    """The final text of request ``i`` (each chunk at its promise's place, tags and ``[PAD]``
-    stripped; pieces joined as :func:`selforch_jax.lang.assemble.join_pieces` does)."""
+    """The final text of request ``i`` (each chunk at its promise's place and cut at its first
+    ``[PAD]``, tags stripped; pieces joined as :func:`selforch_jax.lang.assemble.join_pieces`
+    does)."""
     r = self.reqs[i]
+    pieces = self._pieces(r)
     if r.fd:
-      return tokenizer.decode(self._text_ids(r), skip_special_tokens=True)
-    pieces = assemble_pieces(r.seq[r.text_start:], self.tv, length_unit=self.length_unit)
-    return join_pieces([(c, tokenizer.decode([t for t in ids if not self.tv.is_tag(t)],
-                                             skip_special_tokens=True)) for c, ids in pieces])
+      return tokenizer.decode(pieces[0][1], skip_special_tokens=True)
+    return join_pieces([(c, tokenizer.decode(ids, skip_special_tokens=True))
+                        for c, ids in pieces])
 
   def sequence(self, i: int) -> list[int]:
     """Prompt + response of request ``i`` as fed (chunks in their current / final state)."""
@@ -734,11 +786,11 @@ def check_options(*, steps_ratio: float = DEFAULTS["steps_ratio"], eps: float = 
                   max_rounds: int = DEFAULTS["max_rounds"], plan_cap: int = DEFAULTS["plan_cap"],
                   default_length: int = DEFAULTS["default_length"],
                   max_length: int = DEFAULTS["max_length"], full_diffusion: int | None = None,
-                  **_ignored) -> None:
+                  window: int = DEFAULTS["window"], **_ignored) -> None:
   """Check Planned Diffusion's decoding options before any work (the scheduler and the decode
   CLI, which calls it before the model loads, with its 0 = off mapped to None). ``threshold``
-  and ``full_diffusion`` are off at None; other keys (``pad_last``, ``spread``, ...) are
-  ignored.
+  and ``full_diffusion`` are off at None, ``window`` at 0; other keys (``pad_last``,
+  ``spread``, ``pad_tail``, ...) are ignored.
 
   Raises:
     ValueError: naming the bad option and its valid range.
@@ -761,3 +813,5 @@ def check_options(*, steps_ratio: float = DEFAULTS["steps_ratio"], eps: float = 
   if full_diffusion is not None and int(full_diffusion) < 1:
     raise ValueError(f"planned_diffusion full_diffusion must be >= 1 (off: None in Python, 0 on "
                      f"the command line), got {full_diffusion}")
+  if int(window) < 0:
+    raise ValueError(f"planned_diffusion window must be >= 0 (0 = off), got {window}")
