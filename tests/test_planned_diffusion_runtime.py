@@ -299,6 +299,8 @@ def test_decode_cli_options():
   o = decode_run.options(c)
   assert o["threshold"] == 0.9 and o["steps_ratio"] == 1.0 and o["confidence"] == "entropy"
   assert o["spread"] is False and "planned_diffusion.spread" in decode_run.help_text()
+  assert o["window"] == 1 and o["pad_tail"] is True     # the committed adapter's best setting
+  assert "planned_diffusion.window" in decode_run.help_text()
   c.planned_diffusion.threshold = 0.0
   assert decode_run.options(c)["threshold"] is None
   assert "planned_diffusion.plan_cap" in decode_run.help_text()

@@ -78,13 +78,16 @@ HELP = {
                                 "one denoising step (the last step commits all left)",
     "planned_diffusion.window": "planned_diffusion: semi-autoregressive unmasking, only a "
                                 "chunk's first this-many masked positions are candidates "
-                                "(0 = off)",
+                                "(1: left to right, the committed adapter's best; 0 = off, "
+                                "upstream's order)",
     "planned_diffusion.pad_tail": "planned_diffusion: a committed [PAD] fills the rest of its "
-                                  "chunk with [PAD] (a finished chunk stops costing steps)",
+                                  "chunk with [PAD] (a finished chunk stops costing steps; "
+                                  "upstream: off)",
     "planned_diffusion.max_rounds": "planned_diffusion: most rounds (then plain AR)",
     "planned_diffusion.plan_cap": "planned_diffusion: most tokens of one plan",
     "planned_diffusion.full_diffusion": "planned_diffusion: Dream-style baseline, the whole "
-                                        "answer one chunk of this many masks (0 = off)",
+                                        "answer one chunk of this many masks (0 = off; "
+                                        "Dream's entropy order needs window=0)",
     "pasta.adapter": "demo part: PASTA adapter decoding AlpacaEval prompts after the main run ('' = off)",
     "pasta.alpaca_eval": "demo part: AlpacaEval prompts",
     "pasta.offset": "demo part: first AlpacaEval row",
@@ -120,7 +123,7 @@ def defaults() -> ml_collections.ConfigDict:
       sol=dict(budget="0.5,0.8,8", budget_guard=DEFAULT_BUDGET_GUARD),
       planned_diffusion=dict(steps_ratio=1.0, confidence="entropy", threshold=0.0,
                              max_promises=8, max_rounds=4, plan_cap=96, full_diffusion=0,
-                             pad_last=True, spread=False, window=0, pad_tail=False),
+                             pad_last=True, spread=False, window=1, pad_tail=True),
       # PASTA options (runtime=pasta and the demo's PASTA part); pasta.adapter "" = no part
       pasta=dict(adapter="", alpaca_eval=6, offset=0, max_new_tokens=256, cap=256,
                  constrain_tags=True, max_threads=DEFAULT_MAX_THREADS,
