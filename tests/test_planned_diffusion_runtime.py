@@ -339,28 +339,10 @@ def test_pad_last_commits_content_before_filler():
 def _drive_spread(spread, threshold=None):
   """One teacher-forced chunk of 8 slots, answer [101..108], under a scripted denoiser whose
   confidence falls from left to right; steps_ratio 0.5 (4 iterations committing 1, 2, 2, 3).
-  Returns (the chunk's final tokens, the slots committed at each iteration, iterations)."""
-  s = pd.PlannedDiffusionScheduler([_plan_prompt([70, 71, 72], (4,))], TV, 40, stop_ids=[EOS],
-                                   length_unit=UNIT, vocab_size=V, steps_ratio=0.5,
-                                   spread=spread, threshold=threshold)
-  steps = []
-  while (plan := s.next_step()) is not None:
-    T = len(plan.tokens)
-    lg = np.zeros((T, V), np.float32)
-    lg[:, EOS] = 10.0
-    kind, info, _ = plan.tag
-    before = None
-    if kind == "denoise":
-      (_, c, first), = info
-      before = c.masked.copy()
-      for j in range(c.length):
-        lg[first + j, 101 + j] = 8.0 - 0.5 * j
-    s.on_step(plan, StepResult(logits=jnp.asarray(lg), slots=np.arange(T), released_pages=[]))
-    if before is not None:
-      steps.append(np.flatnonzero(before & ~c.masked).tolist())
-  resp = s.results[0].token_ids
-  assert s.stats[0]["denoise_steps"] == len(steps)
-  return resp[resp.index(TV.async_open) + 1:resp.index(TV.async_close)], steps
+  Returns (the chunk's final tokens, the slots committed at each iteration)."""
+  tokens, steps, _ = _drive_script(list(range(101, 109)), [8.0 - 0.5 * j for j in range(8)],
+                                   steps_ratio=0.5, spread=spread, threshold=threshold)
+  return tokens, steps
 
 
 def test_spread_never_commits_neighbours_in_one_step():

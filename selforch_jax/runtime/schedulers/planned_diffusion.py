@@ -48,8 +48,9 @@ every token):
    ``[PAD]`` at position j, every still-masked position after j is committed as ``[PAD]`` in the
    same iteration (training puts filler only at a chunk's tail), so a chunk that has ended
    stops costing iterations; a request leaves the denoising phase as soon as none of its chunks
-   holds a mask. A chunk's text ends at its first ``[PAD]`` (:meth:`PlannedDiffusionScheduler.text`:
-   anything committed after it is filler the training format never has). Chunk tokens are the argmax over non-tag tokens and
+   holds a mask. A chunk's text ends at its first ``[PAD]``
+   (:meth:`PlannedDiffusionScheduler.text`: anything committed after it is filler the training
+   format never has). Chunk tokens are the argmax over non-tag tokens and
    ``[PAD]`` (a chunk cannot write a tag or a stop token, so its layout never changes).
 4. **Sync**: one non-scratch step writes the final state of every chunk (its clean K/V) and
    ``<sync/>`` (seeing those chunks, in the same step); its logits give the next AR token.
@@ -652,8 +653,9 @@ class PlannedDiffusionScheduler(Scheduler):
           order = order[:min(n, int(pool.sum()))]
           commit = np.zeros_like(c.masked)
           commit[order] = True
-      if self.pad_tail and (commit & (ct == self.tv.pad)).any():   # filler only at the tail
-        tail = c.masked & (np.arange(c.length) > int(np.argmax(commit & (ct == self.tv.pad))))
+      pads = commit & (ct == self.tv.pad)
+      if self.pad_tail and pads.any():   # filler only at the tail
+        tail = c.masked & (np.arange(c.length) > int(np.argmax(pads)))
         ct = np.where(tail & ~commit, self.tv.pad, ct)
         commit = commit | tail
       c.tokens[commit] = ct[commit]
