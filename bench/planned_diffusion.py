@@ -115,7 +115,8 @@ class System:
     if name in ("pd", "dream"):
       self.kw.update(tag_vocab=self.tv, steps_ratio=args.steps_ratio, confidence=args.confidence,
                      threshold=args.threshold or None, pad_last=args.pad_last,
-                     spread=args.spread, window=args.window, pad_tail=args.pad_tail)
+                     spread=args.spread, window=args.window, pad_tail=args.pad_tail,
+                     seed_topic=args.seed_topic)
     if name == "dream":
       self.kw["full_diffusion"] = args.dream
 
@@ -288,6 +289,9 @@ def main(argv=None):
                        "masked positions are candidates (0 = off)")
   ap.add_argument("--pad_tail", action="store_true",
                   help="PD / Dream: a committed [PAD] fills the rest of its chunk with [PAD]")
+  ap.add_argument("--seed_topic", action="store_true",
+                  help="PD: each chunk starts with its promise's topic tokens, committed at "
+                       "the scaffold")
   ap.add_argument("--threshold", type=float, default=0.0,
                   help="PD / Dream: Fast-dLLM unmasking, every masked position whose top "
                        "probability is >= this per step (0 = off: steps_ratio's schedule)")

@@ -31,7 +31,7 @@ def variant_label(args: dict) -> str:
   parts = [f"ratio {args['steps_ratio']:g}"]
   if args.get("threshold"):
     parts = [f"threshold {args['threshold']:g}"]
-  parts += [k for k in ("pad_last", "spread", "pad_tail") if args.get(k)]
+  parts += [k for k in ("pad_last", "spread", "pad_tail", "seed_topic") if args.get(k)]
   if args.get("window"):
     parts.append(f"window {args['window']}")
   return ", ".join(parts)

@@ -36,7 +36,7 @@ DEFAULT_MAX_NEW_TOKENS = {"pasta": 512, "tip": 512, "planned_diffusion": 512}
 # decode_ids options a planned_diffusion job passes on (PlannedDiffusionScheduler's arguments)
 PD_OPTIONS = ("steps_ratio", "eps", "confidence", "threshold", "max_promises", "max_rounds",
               "plan_cap", "default_length", "max_length", "full_attention", "full_diffusion",
-              "pad_last", "spread", "window", "pad_tail")
+              "pad_last", "spread", "window", "pad_tail", "seed_topic")
 DEFAULT_MAX_NEW_TOKENS_OTHER = 128
 
 

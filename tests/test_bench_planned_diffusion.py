@@ -84,10 +84,10 @@ def test_bench_threshold_and_ar_from(tmp_path, tiny_adapter):
   bench = _load_bench()
   args = argparse.Namespace(max_new_tokens=20, steps_ratio=0.5, confidence="entropy",
                             threshold=0.9, dream=0, pad_last=True, spread=True, window=3,
-                            pad_tail=True)
+                            pad_tail=True, seed_topic=True)
   kw = bench.System("pd", load_adapter(tiny_adapter), 400, args).kw
   assert kw["threshold"] == 0.9 and kw["pad_last"] is True and kw["spread"] is True
-  assert kw["window"] == 3 and kw["pad_tail"] is True
+  assert kw["window"] == 3 and kw["pad_tail"] is True and kw["seed_topic"] is True
   args.threshold = 0.0
   assert bench.System("pd", load_adapter(tiny_adapter), 400, args).kw["threshold"] is None
   common = ["--task=cities", f"--pd_adapter={tiny_adapter}", "--warmup=0",

@@ -63,12 +63,14 @@ def _full(fwd, state, seq, full_attention=False):
   return np.asarray(fwd(state, b["tokens"], b["positions"], mask))[0, :lay.num_tokens]
 
 
-@pytest.mark.parametrize("full_attention", [False, True])
-def test_train_equals_decode_every_step(tiny, full_attention):
+@pytest.mark.parametrize("full_attention,seed_topic", [(False, False), (True, False),
+                                                        (False, True)])
+def test_train_equals_decode_every_step(tiny, full_attention, seed_topic):
   model, state, fwd = tiny
   engine = Engine(model, num_pages=128, page_size=4)
   s = pd.PlannedDiffusionScheduler(PROMPTS, TV, 40, stop_ids=[EOS], length_unit=UNIT,
-                                   vocab_size=V, full_attention=full_attention)
+                                   vocab_size=V, full_attention=full_attention,
+                                   seed_topic=seed_topic)
   kinds = collections.Counter()
   while (plan := s.next_step()) is not None:
     seqs = [s.sequence(i) for i in range(len(PROMPTS))]   # the state this step runs on
@@ -87,9 +89,14 @@ def test_train_equals_decode_every_step(tiny, full_attention):
       checked += len(rows)
     assert checked == len(plan.tokens)
     s.on_step(plan, result)
-  assert kinds["denoise"] == 3 * UNIT and kinds["ar"] >= 4
+  # chunks of 2, 6, 4 and 4, 2 slots; a seeded topic (one id each) leaves one slot fewer
+  want = [3 * UNIT - 1, 2 * UNIT - 1] if seed_topic else [3 * UNIT, 2 * UNIT]
+  assert kinds["denoise"] == max(want) and kinds["ar"] >= 4
   assert [st["chunks"] for st in s.stats] == [3, 2] and all(st["rounds"] == 1 for st in s.stats)
-  assert [st["denoise_steps"] for st in s.stats] == [3 * UNIT, 2 * UNIT]
+  assert [st["denoise_steps"] for st in s.stats] == want
+  if seed_topic:     # every chunk starts with its promise's topic id (80 + k)
+    for r in s.reqs:
+      assert [int(r.seq[c.start + 1]) for c in r.chunks] == [80 + k for k in range(len(r.chunks))]
   # the chunks' final state is in the sequence: no mask is left
   assert all(TV.mask not in s.sequence(i) for i in range(2))
 
@@ -419,3 +426,31 @@ def test_pad_tail_and_text_cut_at_first_pad():
   assert s.text_ids(0) == [101, 102, 103] and s.stats[0]["denoise_steps"] == 4
   with pytest.raises(ValueError, match="window must be >= 0"):
     pd.check_options(window=-1)
+
+
+def test_seed_topic_commits_the_topic_at_the_scaffold():
+  """seed_topic: the chunk's first slots are its promise's topic ids from the scaffold on (never
+  re-committed, the denoiser's prediction there is ignored), the iterations count the masked
+  slots left; a topic as long as the chunk keeps one mask; off, the chunk is all masks."""
+  want = list(range(101, 109))
+  conf = [6.0] * 8
+  tokens, steps, _ = _drive_script(want, conf, steps_ratio=1.0, window=1)
+  assert tokens == want and steps == [[j] for j in range(8)]
+  tokens, steps, s = _drive_script(want, conf, steps_ratio=1.0, window=1, seed_topic=True)
+  # topic (80,): slot 0 holds 80, the denoiser's 101 there never lands; 7 iterations
+  assert tokens == [80] + want[1:] and steps == [[j] for j in range(1, 8)]
+  assert s.stats[0]["denoise_steps"] == 7 and s.text_ids(0)[:1] == [80]
+  # a topic of 3 ids in a chunk of 2 slots (1 unit): 1 id is seeded, 1 slot denoised
+  s = pd.PlannedDiffusionScheduler(
+      [serialize([70, Round(plan=(75, Promise((80, 81, 82), 1)), sync=False)], TV)
+       + [TV.async_open]], TV, 40, stop_ids=[EOS], length_unit=UNIT, vocab_size=V,
+      seed_topic=True)
+  while (plan := s.next_step()) is not None:
+    T = len(plan.tokens)
+    lg = np.zeros((T, V), np.float32)
+    lg[:, EOS] = 10.0
+    lg[:, 101] = 6.0 if plan.tag[0] == "denoise" else 0.0
+    s.on_step(plan, StepResult(logits=jnp.asarray(lg), slots=np.arange(T), released_pages=[]))
+  resp = s.results[0].token_ids
+  assert resp[resp.index(TV.async_open) + 1:resp.index(TV.async_close)] == [80, 101]
+  assert s.stats[0]["denoise_steps"] == 1

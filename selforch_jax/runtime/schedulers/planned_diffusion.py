@@ -48,7 +48,15 @@ every token):
    ``[PAD]`` at position j, every still-masked position after j is committed as ``[PAD]`` in the
    same iteration (training puts filler only at a chunk's tail), so a chunk that has ended
    stops costing iterations; a request leaves the denoising phase as soon as none of its chunks
-   holds a mask. A chunk's text ends at its first ``[PAD]``
+   holds a mask. ``seed_topic`` (off by default): chunk k's first positions are its promise's
+   topic ids (the plan's own tokens between ``<promise>`` and the length, tag ids dropped, at
+   most ``length - 1`` of them), committed when the round is scaffolded, for data whose chunks
+   begin with their topic (the cities task: ``<promise> Velora 4 </promise>`` ...
+   ``<async> Velora is a city ...``; its tokenization is the same in both places). A chunk
+   otherwise knows its promise only by its position in the round, and a committed state is one
+   the masked-diffusion training covers (any subset of a chunk's tokens unmasked). The
+   iterations are counted from the masked positions left: ``steps = max(1, int(steps_ratio *
+   most masked positions of a chunk))``. A chunk's text ends at its first ``[PAD]``
    (:meth:`PlannedDiffusionScheduler.text`: anything committed after it is filler the training
    format never has). Chunk tokens are the argmax over non-tag tokens and
    ``[PAD]`` (a chunk cannot write a tag or a stop token, so its layout never changes).
@@ -117,7 +125,7 @@ __all__ = ["PlannedDiffusionScheduler", "chunk_predictions", "DEFAULTS"]
 
 DEFAULTS = dict(steps_ratio=1.0, eps=1e-3, confidence="entropy", threshold=None, max_promises=8,
                 max_rounds=4, plan_cap=96, default_length=2, max_length=8, full_diffusion=None,
-                pad_last=False, spread=False, window=0, pad_tail=False)
+                pad_last=False, spread=False, window=0, pad_tail=False, seed_topic=False)
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
@@ -185,6 +193,7 @@ class _Req:
     self.then_round: int | None = None         # after the queue: start the round (terminator)
     self.phase = "ar"
     self.round_lengths: list[int] = []
+    self.round_topics: list[tuple[int, ...]] = []   # topic ids of the round's promises
     self.round_start: int | None = None        # builder index of the round's first <promise>
     self.chunks: list[_Chunk] = []
     self.terminator: int | None = None
@@ -240,6 +249,8 @@ class PlannedDiffusionScheduler(Scheduler):
       still-masked positions may be committed, except at the last iteration (module docstring).
     pad_tail: a committed ``[PAD]`` commits every later masked position of its chunk as
       ``[PAD]`` in the same iteration (module docstring).
+    seed_topic: each chunk starts with its promise's topic ids, committed at the scaffold
+      (module docstring).
     cap, length_unit: parser settings (10 tokens per promise unit).
     owner_base / segment_base: first owner / segment id this job uses.
 
@@ -264,7 +275,8 @@ class PlannedDiffusionScheduler(Scheduler):
                length_unit: int = TOKENS_PER_UNIT, owner_base: int = 0, segment_base: int = 0,
                vocab_size: int | None = None, full_attention: bool = False,
                full_diffusion: int | None = None, pad_last: bool = False,
-               spread: bool = False, window: int = 0, pad_tail: bool = False):
+               spread: bool = False, window: int = 0, pad_tail: bool = False,
+               seed_topic: bool = False):
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("PlannedDiffusionScheduler needs at least one prompt, none empty")
     if max_new_tokens < 1:
@@ -293,6 +305,7 @@ class PlannedDiffusionScheduler(Scheduler):
     self.spread = bool(spread)
     self.window = int(window)
     self.pad_tail = bool(pad_tail)
+    self.seed_topic = bool(seed_topic)
     self.full_diffusion = None if full_diffusion is None else int(full_diffusion)
     digits = str(int(default_length))
     self.default_len = ([tv.space_ids[0]] if tv.space_ids else []) + \
@@ -358,8 +371,9 @@ class PlannedDiffusionScheduler(Scheduler):
         r.in_promise = False
       if isinstance(e, PromiseClosed) and e.promise is not None:
         r.round_lengths.append(int(e.length))
+        r.round_topics.append(tuple(int(t) for t in e.topic_ids))
       elif isinstance(e, Sync) and e.round is not None:
-        r.round_lengths, r.round_start = [], None
+        r.round_lengths, r.round_topics, r.round_start = [], [], None
     if token == self.tv.promise_open and r.round_start is None:
       r.round_start = i
     return ev
@@ -575,12 +589,20 @@ class PlannedDiffusionScheduler(Scheduler):
       for _ in range(n):
         self._feed(r, tv.mask, chunk=True)
       self._feed(r, tv.async_close, chunk=True)
-      r.chunks.append(_Chunk(start, n, np.full(n, tv.mask, np.int64), np.ones(n, bool)))
+      c = _Chunk(start, n, np.full(n, tv.mask, np.int64), np.ones(n, bool))
+      if self.seed_topic and j < len(r.round_topics):   # the promise's topic starts the chunk
+        topic = [t for t in r.round_topics[j] if t < self.allowed.size and self.allowed[t]]
+        topic = topic[:n - 1]
+        c.tokens[:len(topic)] = topic
+        c.masked[:len(topic)] = False
+        for i, t in enumerate(topic):
+          r.seq[start + 1 + i] = int(t)
+      r.chunks.append(c)
     r.n_chunks += k
     if self.full_attention:      # one dense region: every chunk of the round sees the others
       segs = [r.seg_map[r.builder.segment_of(ch.start)] for ch in r.chunks]
       self._visible[np.ix_(segs, segs)] = True
-    r.steps = max(1, int(self.steps_ratio * max(lengths)))
+    r.steps = max(1, int(self.steps_ratio * max(int(c.masked.sum()) for c in r.chunks)))
     r.step_i = 0
     r.phase = "denoise"
 
