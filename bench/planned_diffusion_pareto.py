@@ -100,7 +100,7 @@ def plot(runs: list[dict], path: str) -> str:
       ax.axvline(0.5, color="C3", linewidth=0.8, linestyle="--")
     ax.set_xlabel(xlabel, fontsize=9)
   axes[0].set_ylabel("item exact-match accuracy")
-  axes[0].legend(fontsize=7, loc="center right")
+  axes[0].legend(fontsize=7, loc="lower right")
   fig.suptitle("cities (seed %d), Planned Diffusion unmask variants, greedy, batch 1"
                % runs[0]["args"]["seed"], fontsize=10)
   fig.tight_layout()

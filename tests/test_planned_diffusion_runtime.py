@@ -306,7 +306,8 @@ def test_decode_cli_options():
   o = decode_run.options(c)
   assert o["threshold"] == 0.9 and o["steps_ratio"] == 1.0 and o["confidence"] == "entropy"
   assert o["spread"] is False and "planned_diffusion.spread" in decode_run.help_text()
-  assert o["window"] == 1 and o["pad_tail"] is True     # the committed adapter's best setting
+  # the committed adapter's best setting
+  assert o["window"] == 1 and o["pad_tail"] is True and o["seed_topic"] is True
   assert "planned_diffusion.window" in decode_run.help_text()
   c.planned_diffusion.threshold = 0.0
   assert decode_run.options(c)["threshold"] is None

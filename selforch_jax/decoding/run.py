@@ -85,8 +85,8 @@ HELP = {
                                   "upstream: off)",
     "planned_diffusion.seed_topic": "planned_diffusion: each chunk starts with its promise's "
                                     "topic tokens, committed at the scaffold (for chunks "
-                                    "trained to begin with their topic, as the cities task's; "
-                                    "upstream: off)",
+                                    "trained to begin with their topic, as the committed "
+                                    "cities adapter's; False for other data; upstream: off)",
     "planned_diffusion.max_rounds": "planned_diffusion: most rounds (then plain AR)",
     "planned_diffusion.plan_cap": "planned_diffusion: most tokens of one plan",
     "planned_diffusion.full_diffusion": "planned_diffusion: Dream-style baseline, the whole "
@@ -128,7 +128,7 @@ def defaults() -> ml_collections.ConfigDict:
       planned_diffusion=dict(steps_ratio=1.0, confidence="entropy", threshold=0.0,
                              max_promises=8, max_rounds=4, plan_cap=96, full_diffusion=0,
                              pad_last=True, spread=False, window=1, pad_tail=True,
-                             seed_topic=False),
+                             seed_topic=True),
       # PASTA options (runtime=pasta and the demo's PASTA part); pasta.adapter "" = no part
       pasta=dict(adapter="", alpaca_eval=6, offset=0, max_new_tokens=256, cap=256,
                  constrain_tags=True, max_threads=DEFAULT_MAX_THREADS,
