@@ -36,6 +36,11 @@ quality differences, speedup = mean AR wall / mean system wall and critical-path
 system path / mean AR path (bootstrap of the ratio of means). Load averages before and after
 are recorded (2 shared cores: other jobs slow every system).
 
+``--resume`` continues the ``--out`` JSON of an interrupted or ``--max_minutes``-capped run:
+its records are kept and the examples after them are decoded (the same task, examples, systems,
+PD / PASTA adapters and decode options, checked; ``--n`` may grow); ``segments`` lists each run's
+command, example range, load and time. No ``--out`` file yet: a fresh run.
+
 ``--ar_from=JSON`` takes the AR-SFT system's records from an earlier run of this benchmark on the
 same examples (same task, seed, offset and token budget; paired by example index) instead of
 decoding them again (AR greedy is deterministic: its texts, scores and critical paths are those
@@ -187,7 +192,7 @@ def summarize(recs: list[dict], task: str, n_boot: int, seed: int) -> dict:
   else:
     nll = [r["nll"] for r in recs if r["nll"] is not None]
     out.update(nll=ci(nll) if nll else None, n_empty=len(recs) - len(nll),
-               length=ci([len(r["ids"]) for r in recs]))
+               length=ci([r["n_ids"] for r in recs]))
   out.update(wall_s=ci([r["wall_s"] for r in recs]),
              critical_path=ci([r["critical_path"] for r in recs]),
              tokens=ci([r["tokens"] for r in recs]),
@@ -261,6 +266,44 @@ def earlier_ar(path: str, args) -> dict:
               load_before=prev.get("load_before"), load_after=prev.get("load_after"))
 
 
+# The arguments that decide what a record is: a resumed run must decode with the same ones.
+RESUME_KEYS = ("task", "seed", "offset", "max_new_tokens", "prompt_tokens", "steps_ratio",
+               "confidence", "threshold", "pad_last", "spread", "window", "pad_tail",
+               "seed_topic", "dream", "pd_adapter", "pasta_adapter")
+
+
+def earlier_run(path: str, args, systems: set[str], defaults: dict) -> dict | None:
+  """The JSON of the run ``--resume`` continues, checked to decode the same examples with the
+  same systems and options (a key an older JSON lacks counts as its default); None when
+  ``path`` does not exist yet (a fresh run).
+
+  Raises:
+    SystemExit: (argparse-style) the JSON is of other examples, systems or options, or its
+      records cannot be summarized again (alpaca records without ``n_ids``).
+  """
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    prev = json.load(f)
+  for k in RESUME_KEYS:
+    have = prev["task"] if k == "task" else prev["args"].get(k, defaults[k])
+    if have != getattr(args, k):
+      raise SystemExit(f"--resume {path}: {k}={have!r} there, {getattr(args, k)!r} here")
+  if set(prev["records"]) != systems:
+    raise SystemExit(f"--resume {path}: systems {sorted(prev['records'])} there, "
+                     f"{sorted(systems)} here")
+  recs = prev["records"]
+  if args.task == "alpaca" and any("n_ids" not in r for rs in recs.values() for r in rs):
+    raise SystemExit(f"--resume {path}: its alpaca records have no n_ids (an older run)")
+  n = int(prev["n_done"])
+  prev["records"] = {s: [dict(r) for r in rs[:n]] for s, rs in recs.items()}
+  prev.setdefault("segments", [dict(
+      command=prev.get("command"), examples=[0, n], load_before=prev.get("load_before"),
+      load_after=prev.get("load_after"), elapsed_s=prev.get("elapsed_s"),
+      ar_from=(prev.get("ar_from") or {}).get("path"), ar_adapter=prev["args"].get("ar_adapter"))])
+  return prev
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--task", default="cities", choices=TASKS)
@@ -300,6 +343,8 @@ def main(argv=None):
                   help="stop starting new examples after this many minutes (0 = no limit)")
   ap.add_argument("--prompt_tokens", type=int, default=PROMPT_TOKENS,
                   help="pool room per prompt (longer prompts are an error)")
+  ap.add_argument("--resume", action="store_true",
+                  help="continue --out: keep its records, decode the examples after them")
   ap.add_argument("--out", default="bench/results/planned_diffusion_cities_cpu.json")
   ap.add_argument("--plot", default=None, help="Pareto PNG (default: --out with .png)")
   args = ap.parse_args(argv)
@@ -349,8 +394,17 @@ def main(argv=None):
   records = {s: [] for s in systems}
   if ar_prev is not None:
     records["ar"] = []
+  prev = (earlier_run(args.out, args, set(records), vars(ap.parse_args([])))
+          if args.resume else None)
+  start = 0
+  if prev is not None:
+    records = prev["records"]
+    start = len(records["ar" if "ar" in records else next(iter(records))])
+    print(f"--resume: {start} examples done in {args.out}", file=sys.stderr)
   for i, ex in enumerate(examples):     # systems alternate per example: same machine load
-    if i and args.max_minutes and time.time() - t0 > 60 * args.max_minutes:
+    if i < start:
+      continue
+    if i > start and args.max_minutes and time.time() - t0 > 60 * args.max_minutes:
       print(f"time budget reached after {i} examples", file=sys.stderr)
       break
     if ar_prev is not None and i >= len(ar_prev["records"]):
@@ -366,19 +420,26 @@ def main(argv=None):
         base_prompt = next(iter(prompts.values()))[i]
         r["nll"] = nll(base_prompt, r["ids"]) if r["ids"] else None
         msg = f"nll {r['nll']}"
+      r["n_ids"] = len(r["ids"])
       records[s].append(r)
       print(f"{s} {i + 1}/{len(examples)} {msg} wall {r['wall_s']:.1f}s "
             f"path {r['critical_path']}", file=sys.stderr, flush=True)
     if ar_prev is not None:
       records["ar"].append(dict(ar_prev["records"][i]))
+  elapsed = time.time() - t0
+  command = "python bench/planned_diffusion.py " + " ".join(argv or sys.argv[1:])
+  n_done = min(len(r) for r in records.values())
+  segments = (prev["segments"] if prev is not None else []) + [dict(
+      command=command, examples=[start, n_done], load_before=load_before, load_after=loadavg(),
+      elapsed_s=elapsed, ar_from=args.ar_from or None, ar_adapter=args.ar_adapter)]
   out = dict(
       task=args.task,
       task_note=("synthetic_cities (selforch_jax.data.synthetic_cities), k = 2..6"
                  if args.task == "cities" else "AlpacaEval instructions (data/alpaca_eval)")
       + ", greedy, batch 1",
-      command="python bench/planned_diffusion.py " + " ".join(argv or sys.argv[1:]),
-      args=vars(args), machine=machine_info(), load_before=load_before, load_after=loadavg(),
-      elapsed_s=time.time() - t0, n_done=min(len(r) for r in records.values()),
+      command=command, args=vars(args), machine=machine_info(), load_before=load_before,
+      load_after=segments[-1]["load_after"], elapsed_s=sum(g["elapsed_s"] or 0 for g in segments),
+      n_done=n_done, segments=segments,
       systems={s: summarize(r, args.task, args.n_boot, 0) for s, r in records.items()})
   if ar_prev is not None:
     out["ar_from"] = {k: ar_prev[k] for k in ("path", "command", "load_before", "load_after")}

@@ -151,3 +151,31 @@ def test_bench_without_pd(tmp_path, tiny_adapter):
   assert all(r["nll"] is None or r["nll"] > 0 for r in out["records"]["pasta"])
   with pytest.raises(SystemExit):
     bench.main(["--pd_adapter=", "--dream=8", f"--ar_adapter={tiny_adapter}", "--n=1"])
+
+
+def test_bench_resume(tmp_path, tiny_adapter):
+  """--resume keeps the --out JSON's records and decodes the examples after them: the records
+  equal one uninterrupted run's (greedy), ``segments`` gives each run's example range, and a
+  resumed run with other options or systems is an error."""
+  bench = _load_bench()
+  common = ["--task=cities", f"--pd_adapter={tiny_adapter}", f"--ar_adapter={tiny_adapter}",
+            "--warmup=0", "--max_new_tokens=16", "--n_boot=50", "--prompt_tokens=400"]
+  path = tmp_path / "resumed.json"
+  first = bench.main(common + ["--n=1", "--resume", f"--out={path}"])   # no file yet: fresh
+  assert first["n_done"] == 1 and [g["examples"] for g in first["segments"]] == [[0, 1]]
+  out = bench.main(common + ["--n=3", "--resume", f"--out={path}"])
+  assert out["n_done"] == 3 and [g["examples"] for g in out["segments"]] == [[0, 1], [1, 3]]
+  assert out["records"]["pd"][0] == first["records"]["pd"][0]
+  whole = bench.main(common + ["--n=3", f"--out={tmp_path / 'whole.json'}"])
+  keys = ("text", "critical_path", "items_correct", "n_ids")
+  for s in ("pd", "ar"):
+    assert ([[r[k] for k in keys] for r in out["records"][s]]
+            == [[r[k] for k in keys] for r in whole["records"][s]]), s
+    assert out["systems"][s]["item_accuracy"] == whole["systems"][s]["item_accuracy"]
+  assert out["elapsed_s"] == pytest.approx(sum(g["elapsed_s"] for g in out["segments"]))
+  again = bench.main(common + ["--n=3", "--resume", f"--out={path}"])   # nothing left to do
+  assert again["records"] == out["records"] and len(again["segments"]) == 3
+  with pytest.raises(SystemExit, match="threshold"):
+    bench.main(common + ["--n=4", "--resume", "--threshold=0.9", f"--out={path}"])
+  with pytest.raises(SystemExit, match="systems"):
+    bench.main(common[:2] + common[3:] + ["--n=4", "--resume", f"--out={path}"])
