@@ -36,10 +36,11 @@ quality differences, speedup = mean AR wall / mean system wall and critical-path
 system path / mean AR path (bootstrap of the ratio of means). Load averages before and after
 are recorded (2 shared cores: other jobs slow every system).
 
-``--resume`` continues the ``--out`` JSON of an interrupted or ``--max_minutes``-capped run:
-its records are kept and the examples after them are decoded (the same task, examples, systems,
-PD / PASTA adapters and decode options, checked; ``--n`` may grow); ``segments`` lists each run's
-command, example range, load and time. No ``--out`` file yet: a fresh run.
+``--resume`` continues the ``--out`` JSON of an interrupted or ``--max_minutes``-capped run
+(the JSON is rewritten after every example, so a killed run loses at most the example it was
+on): its records are kept and the examples after them are decoded (the same task, examples,
+systems, PD / PASTA adapters and decode options, checked; ``--n`` may grow); ``segments`` lists
+each run's command, example range, load and time. No ``--out`` file yet: a fresh run.
 
 ``--ar_from=JSON`` takes the AR-SFT system's records from an earlier run of this benchmark on the
 same examples (same task, seed, offset and token budget; paired by example index) instead of
@@ -304,6 +305,44 @@ def earlier_run(path: str, args, systems: set[str], defaults: dict) -> dict | No
   return prev
 
 
+def write_run(args, argv, records: dict, prev: dict | None, start: int, load_before,
+              t0: float, ar_prev: dict | None) -> dict:
+  """Summarize the records so far and write the run's JSON to ``args.out`` (atomically: after
+  every example, so an interrupted run keeps what it decoded and ``--resume`` continues it).
+
+  Returns:
+    The JSON's dict (module docstring): ``systems``, ``vs_ar``, ``segments``, ``records``.
+  """
+  elapsed = time.time() - t0
+  command = "python bench/planned_diffusion.py " + " ".join(argv or sys.argv[1:])
+  n_done = min(len(r) for r in records.values())
+  segments = (prev["segments"] if prev is not None else []) + [dict(
+      command=command, examples=[start, n_done], load_before=load_before, load_after=loadavg(),
+      elapsed_s=elapsed, ar_from=args.ar_from or None, ar_adapter=args.ar_adapter)]
+  out = dict(
+      task=args.task,
+      task_note=("synthetic_cities (selforch_jax.data.synthetic_cities), k = 2..6"
+                 if args.task == "cities" else "AlpacaEval instructions (data/alpaca_eval)")
+      + ", greedy, batch 1",
+      command=command, args=vars(args), machine=machine_info(), load_before=load_before,
+      load_after=segments[-1]["load_after"], elapsed_s=sum(g["elapsed_s"] or 0 for g in segments),
+      n_done=n_done, segments=segments,
+      systems={s: summarize(r, args.task, args.n_boot, 0) for s, r in records.items()})
+  if ar_prev is not None:
+    out["ar_from"] = {k: ar_prev[k] for k in ("path", "command", "load_before", "load_after")}
+  if "ar" in records:
+    out["vs_ar"] = {s: versus_ar(r, records["ar"], args.task, args.n_boot)
+                    for s, r in records.items() if s != "ar"}
+  out["records"] = {s: [{k: v for k, v in r.items() if k != "ids"} for r in rs]
+                    for s, rs in records.items()}
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  tmp = args.out + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(out, f, indent=1)
+  os.replace(tmp, args.out)         # an interrupted write leaves the last JSON
+  return out
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--task", default="cities", choices=TASKS)
@@ -426,31 +465,8 @@ def main(argv=None):
             f"path {r['critical_path']}", file=sys.stderr, flush=True)
     if ar_prev is not None:
       records["ar"].append(dict(ar_prev["records"][i]))
-  elapsed = time.time() - t0
-  command = "python bench/planned_diffusion.py " + " ".join(argv or sys.argv[1:])
-  n_done = min(len(r) for r in records.values())
-  segments = (prev["segments"] if prev is not None else []) + [dict(
-      command=command, examples=[start, n_done], load_before=load_before, load_after=loadavg(),
-      elapsed_s=elapsed, ar_from=args.ar_from or None, ar_adapter=args.ar_adapter)]
-  out = dict(
-      task=args.task,
-      task_note=("synthetic_cities (selforch_jax.data.synthetic_cities), k = 2..6"
-                 if args.task == "cities" else "AlpacaEval instructions (data/alpaca_eval)")
-      + ", greedy, batch 1",
-      command=command, args=vars(args), machine=machine_info(), load_before=load_before,
-      load_after=segments[-1]["load_after"], elapsed_s=sum(g["elapsed_s"] or 0 for g in segments),
-      n_done=n_done, segments=segments,
-      systems={s: summarize(r, args.task, args.n_boot, 0) for s, r in records.items()})
-  if ar_prev is not None:
-    out["ar_from"] = {k: ar_prev[k] for k in ("path", "command", "load_before", "load_after")}
-  if "ar" in records:
-    out["vs_ar"] = {s: versus_ar(r, records["ar"], args.task, args.n_boot)
-                    for s, r in records.items() if s != "ar"}
-  out["records"] = {s: [{k: v for k, v in r.items() if k != "ids"} for r in rs]
-                    for s, rs in records.items()}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w", encoding="utf-8") as f:
-    json.dump(out, f, indent=1)
+    write_run(args, argv, records, prev, start, load_before, t0, ar_prev)
+  out = write_run(args, argv, records, prev, start, load_before, t0, ar_prev)
   plot = pareto(out, args.plot or os.path.splitext(args.out)[0] + ".png")
   print(json.dumps({k: v for k, v in out.items() if k != "records"}, indent=1))
   print(f"wrote {args.out}" + (f" and {plot}" if plot else ""), file=sys.stderr)

@@ -153,16 +153,30 @@ def test_bench_without_pd(tmp_path, tiny_adapter):
     bench.main(["--pd_adapter=", "--dream=8", f"--ar_adapter={tiny_adapter}", "--n=1"])
 
 
-def test_bench_resume(tmp_path, tiny_adapter):
-  """--resume keeps the --out JSON's records and decodes the examples after them: the records
-  equal one uninterrupted run's (greedy), ``segments`` gives each run's example range, and a
-  resumed run with other options or systems is an error."""
+def test_bench_resume(tmp_path, tiny_adapter, monkeypatch):
+  """A run killed mid-way keeps the examples it finished in its JSON; --resume keeps them and
+  decodes the examples after them: the records equal one uninterrupted run's (greedy),
+  ``segments`` gives each run's example range, and a resumed run with other options or systems
+  is an error."""
   bench = _load_bench()
   common = ["--task=cities", f"--pd_adapter={tiny_adapter}", f"--ar_adapter={tiny_adapter}",
             "--warmup=0", "--max_new_tokens=16", "--n_boot=50", "--prompt_tokens=400"]
   path = tmp_path / "resumed.json"
-  first = bench.main(common + ["--n=1", "--resume", f"--out={path}"])   # no file yet: fresh
+  decode, calls = bench.System.decode, []
+
+  def killed_on_the_second_ar(self, prompt):
+    calls.append(self.name)
+    if calls.count("ar") == 2:
+      raise KeyboardInterrupt
+    return decode(self, prompt)
+
+  monkeypatch.setattr(bench.System, "decode", killed_on_the_second_ar)
+  with pytest.raises(KeyboardInterrupt):                  # no file yet: a fresh run
+    bench.main(common + ["--n=3", "--resume", f"--out={path}"])
+  monkeypatch.setattr(bench.System, "decode", decode)
+  first = json.loads(path.read_text())
   assert first["n_done"] == 1 and [g["examples"] for g in first["segments"]] == [[0, 1]]
+  assert not os.path.exists(str(path) + ".tmp")
   out = bench.main(common + ["--n=3", "--resume", f"--out={path}"])
   assert out["n_done"] == 3 and [g["examples"] for g in out["segments"]] == [[0, 1], [1, 3]]
   assert out["records"]["pd"][0] == first["records"]["pd"][0]
