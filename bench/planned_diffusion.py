@@ -39,8 +39,10 @@ are recorded (2 shared cores: other jobs slow every system).
 ``--resume`` continues the ``--out`` JSON of an interrupted or ``--max_minutes``-capped run
 (the JSON is rewritten after every example, so a killed run loses at most the example it was
 on): its records are kept and the examples after them are decoded (the same task, examples,
-systems, PD / PASTA adapters and decode options, checked; ``--n`` may grow); ``segments`` lists
-each run's command, example range, load and time. No ``--out`` file yet: a fresh run.
+systems, adapters and decode options, checked before any model loads; ``--n`` may grow, not
+shrink); ``segments`` lists each run's command, example range (an empty one when nothing was
+left), load, time and AR adapter; the top-level ``command`` and load are the latest run's,
+``elapsed_s`` the sum. No ``--out`` file yet: a fresh run.
 
 ``--ar_from=JSON`` takes the AR-SFT system's records from an earlier run of this benchmark on the
 same examples (same task, seed, offset and token budget; paired by example index) instead of
@@ -249,7 +251,8 @@ def earlier_ar(path: str, args) -> dict:
   examples and budget: ``{"records", "path", "command", "load_before", "load_after"}``.
 
   Raises:
-    SystemExit: (argparse-style) the JSON has no AR records or other examples / budget.
+    SystemExit: the JSON has no AR records, other examples / budget, or alpaca records
+      without ``n_ids`` (an older run).
   """
   with open(path, encoding="utf-8") as f:
     prev = json.load(f)
@@ -263,8 +266,12 @@ def earlier_ar(path: str, args) -> dict:
     if have is not None and have != want:
       raise SystemExit(f"--ar_from={path}: {k}={have!r} there, {want!r} here (other examples "
                        "or budget)")
+  if args.task == "alpaca" and any("n_ids" not in r for r in recs):
+    raise SystemExit(f"--ar_from={path}: its alpaca records have no n_ids (an older run: "
+                     "decode AR again)")
   return dict(records=recs, path=path, command=prev.get("command"),
-              load_before=prev.get("load_before"), load_after=prev.get("load_after"))
+              load_before=prev.get("load_before"), load_after=prev.get("load_after"),
+              ar_adapter=prev["args"].get("ar_adapter"))
 
 
 # The arguments that decide what a record is: a resumed run must decode with the same ones.
@@ -273,30 +280,64 @@ RESUME_KEYS = ("task", "seed", "offset", "max_new_tokens", "prompt_tokens", "ste
                "seed_topic", "dream", "pd_adapter", "pasta_adapter")
 
 
-def earlier_run(path: str, args, systems: set[str], defaults: dict) -> dict | None:
+def run_systems(args) -> set[str]:
+  """The systems a command line runs: ``pd``, ``ar`` (decoded or ``--ar_from``), ``pasta``,
+  ``dream``."""
+  given = dict(pd=args.pd_adapter, ar=args.ar_adapter or args.ar_from,
+               pasta=args.pasta_adapter, dream=args.dream)
+  return {s for s, v in given.items() if v}
+
+
+def effective_ar_adapter(args) -> str:
+  """The AR-SFT adapter behind a run's AR records: ``--ar_adapter``, or the ``--ar_from``
+  JSON's (``""`` when neither)."""
+  if args.ar_adapter or not args.ar_from:
+    return args.ar_adapter
+  with open(args.ar_from, encoding="utf-8") as f:
+    return json.load(f)["args"].get("ar_adapter", "")
+
+
+def earlier_run(path: str, args, defaults: dict) -> dict | None:
   """The JSON of the run ``--resume`` continues, checked to decode the same examples with the
-  same systems and options (a key an older JSON lacks counts as its default); None when
-  ``path`` does not exist yet (a fresh run).
+  same systems, adapters and options (:data:`RESUME_KEYS`; a key an older JSON lacks counts
+  as its default; the AR records' adapter may come from ``--ar_adapter`` or ``--ar_from`` in
+  either run, it must be the same path); None when ``path`` does not exist yet (a fresh run).
+  Its records are cut to its ``n_done`` and ``segments`` is filled in for an older JSON.
 
   Raises:
-    SystemExit: (argparse-style) the JSON is of other examples, systems or options, or its
-      records cannot be summarized again (alpaca records without ``n_ids``).
+    SystemExit: the JSON is of other examples, systems, adapters or options, holds more
+      examples than ``--n``, or its records cannot be summarized again (alpaca records
+      without ``n_ids``).
   """
   if not os.path.exists(path):
     return None
   with open(path, encoding="utf-8") as f:
     prev = json.load(f)
+  here = run_systems(args)
+  if set(prev["records"]) != here:
+    raise SystemExit(f"--resume {path}: systems {sorted(prev['records'])} there, "
+                     f"{sorted(here)} here")
   for k in RESUME_KEYS:
     have = prev["task"] if k == "task" else prev["args"].get(k, defaults[k])
     if have != getattr(args, k):
       raise SystemExit(f"--resume {path}: {k}={have!r} there, {getattr(args, k)!r} here")
-  if set(prev["records"]) != systems:
-    raise SystemExit(f"--resume {path}: systems {sorted(prev['records'])} there, "
-                     f"{sorted(systems)} here")
+  if "ar" in here:
+    last = (prev.get("segments") or [{}])[-1]
+    have = last.get("ar_adapter_used")
+    if have is None:                                     # an older JSON: from its arguments
+      old = argparse.Namespace(ar_adapter=prev["args"].get("ar_adapter", ""),
+                               ar_from=prev["args"].get("ar_from", ""))
+      have = (effective_ar_adapter(old) if old.ar_adapter or os.path.exists(old.ar_from)
+              else f"unknown (--ar_from={old.ar_from})")
+    if have != effective_ar_adapter(args):
+      raise SystemExit(f"--resume {path}: its AR records are of the adapter {have!r}, here "
+                       f"{effective_ar_adapter(args)!r}")
+  n = int(prev["n_done"])
+  if n > args.n:
+    raise SystemExit(f"--resume {path}: it holds {n} examples > --n={args.n}")
   recs = prev["records"]
   if args.task == "alpaca" and any("n_ids" not in r for rs in recs.values() for r in rs):
     raise SystemExit(f"--resume {path}: its alpaca records have no n_ids (an older run)")
-  n = int(prev["n_done"])
   prev["records"] = {s: [dict(r) for r in rs[:n]] for s, rs in recs.items()}
   prev.setdefault("segments", [dict(
       command=prev.get("command"), examples=[0, n], load_before=prev.get("load_before"),
@@ -318,7 +359,8 @@ def write_run(args, argv, records: dict, prev: dict | None, start: int, load_bef
   n_done = min(len(r) for r in records.values())
   segments = (prev["segments"] if prev is not None else []) + [dict(
       command=command, examples=[start, n_done], load_before=load_before, load_after=loadavg(),
-      elapsed_s=elapsed, ar_from=args.ar_from or None, ar_adapter=args.ar_adapter)]
+      elapsed_s=elapsed, ar_from=args.ar_from or None, ar_adapter=args.ar_adapter,
+      ar_adapter_used=ar_prev["ar_adapter"] if ar_prev else args.ar_adapter)]
   out = dict(
       task=args.task,
       task_note=("synthetic_cities (selforch_jax.data.synthetic_cities), k = 2..6"
@@ -397,6 +439,10 @@ def main(argv=None):
     ap.error("--dream decodes with the PD adapter: it needs --pd_adapter")
   if not (args.pd_adapter or args.pasta_adapter or args.ar_adapter):
     ap.error("nothing to run: give --pd_adapter, --pasta_adapter or --ar_adapter")
+  if args.ar_from and args.ar_adapter:
+    ap.error("--ar_from and --ar_adapter exclude each other")
+  ar_prev = earlier_ar(args.ar_from, args) if args.ar_from else None
+  prev = earlier_run(args.out, args, vars(ap.parse_args([]))) if args.resume else None
   from selforch_jax.adapter import load_adapter
 
   examples, warm = _examples(args)
@@ -407,11 +453,6 @@ def main(argv=None):
   if args.dream:
     loaded["dream"] = loaded["pd"]
   systems = {s: System(s, m, args.prompt_tokens, args) for s, m in loaded.items()}
-  ar_prev = None
-  if args.ar_from:
-    if args.ar_adapter:
-      ap.error("--ar_from and --ar_adapter exclude each other")
-    ar_prev = earlier_ar(args.ar_from, args)
   nll = None
   if args.task == "alpaca":
     import ml_collections
@@ -433,8 +474,6 @@ def main(argv=None):
   records = {s: [] for s in systems}
   if ar_prev is not None:
     records["ar"] = []
-  prev = (earlier_run(args.out, args, set(records), vars(ap.parse_args([])))
-          if args.resume else None)
   start = 0
   if prev is not None:
     records = prev["records"]

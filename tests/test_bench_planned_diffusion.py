@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 
 import pytest
 
@@ -181,7 +182,7 @@ def test_bench_resume(tmp_path, tiny_adapter, monkeypatch):
   assert out["n_done"] == 3 and [g["examples"] for g in out["segments"]] == [[0, 1], [1, 3]]
   assert out["records"]["pd"][0] == first["records"]["pd"][0]
   whole = bench.main(common + ["--n=3", f"--out={tmp_path / 'whole.json'}"])
-  keys = ("text", "critical_path", "items_correct", "n_ids")
+  keys = ("k", "items", "text", "critical_path", "items_correct", "n_ids")
   for s in ("pd", "ar"):
     assert ([[r[k] for k in keys] for r in out["records"][s]]
             == [[r[k] for k in keys] for r in whole["records"][s]]), s
@@ -193,3 +194,12 @@ def test_bench_resume(tmp_path, tiny_adapter, monkeypatch):
     bench.main(common + ["--n=4", "--resume", "--threshold=0.9", f"--out={path}"])
   with pytest.raises(SystemExit, match="systems"):
     bench.main(common[:2] + common[3:] + ["--n=4", "--resume", f"--out={path}"])
+  with pytest.raises(SystemExit, match="--n=2"):                 # --n may grow, not shrink
+    bench.main(common + ["--n=2", "--resume", f"--out={path}"])
+  # the AR records' adapter: the same path through --ar_from passes, another one does not
+  assert bench.main(common[:2] + common[3:] + [
+      "--n=4", "--resume", f"--ar_from={tmp_path / 'whole.json'}", f"--out={path}"])["n_done"] == 3
+  other = shutil.copytree(tiny_adapter, tmp_path / "other_ar")   # same weights, another path
+  with pytest.raises(SystemExit, match="adapter"):
+    bench.main(common[:2] + [f"--ar_adapter={other}"] + common[3:]
+               + ["--n=4", "--resume", f"--out={path}"])
