@@ -217,7 +217,8 @@ def test_eval_configs_accept_adapter_dirs(adapter, tmp_path):
 
 
 COMMITTED = [os.path.join(ROOT, "adapters", d) for d in
-             ("pasta_smollm2_135m", "pasta_baseline_smollm2_135m")]
+             ("pasta_smollm2_135m", "pasta_baseline_smollm2_135m", "tip_smollm2_135m",
+              "pd_smollm2_135m", "ar_sft_cities_smollm2_135m")]
 
 
 @pytest.mark.parametrize("adapter_dir", COMMITTED, ids=os.path.basename)
