@@ -251,23 +251,23 @@ def earlier_ar(path: str, args) -> dict:
   examples and budget: ``{"records", "path", "command", "load_before", "load_after"}``.
 
   Raises:
-    SystemExit: the JSON has no AR records, other examples / budget, or alpaca records
+    ValueError: the JSON has no AR records, other examples / budget, or alpaca records
       without ``n_ids`` (an older run).
   """
   with open(path, encoding="utf-8") as f:
     prev = json.load(f)
   recs = prev.get("records", {}).get("ar")
   if not recs:
-    raise SystemExit(f"--ar_from={path}: no AR records in it")
+    raise ValueError(f"--ar_from={path}: no AR records in it")
   for k in ("task", "seed", "offset", "max_new_tokens", "prompt_tokens"):
     have, want = prev["args"].get(k), getattr(args, k)
     if k == "task":
       have = prev.get("task")
     if have is not None and have != want:
-      raise SystemExit(f"--ar_from={path}: {k}={have!r} there, {want!r} here (other examples "
+      raise ValueError(f"--ar_from={path}: {k}={have!r} there, {want!r} here (other examples "
                        "or budget)")
   if args.task == "alpaca" and any("n_ids" not in r for r in recs):
-    raise SystemExit(f"--ar_from={path}: its alpaca records have no n_ids (an older run: "
+    raise ValueError(f"--ar_from={path}: its alpaca records have no n_ids (an older run: "
                      "decode AR again)")
   return dict(records=recs, path=path, command=prev.get("command"),
               load_before=prev.get("load_before"), load_after=prev.get("load_after"),
@@ -305,7 +305,7 @@ def earlier_run(path: str, args, defaults: dict) -> dict | None:
   Its records are cut to its ``n_done`` and ``segments`` is filled in for an older JSON.
 
   Raises:
-    SystemExit: the JSON is of other examples, systems, adapters or options, holds more
+    ValueError: the JSON is of other examples, systems, adapters or options, holds more
       examples than ``--n``, or its records cannot be summarized again (alpaca records
       without ``n_ids``).
   """
@@ -315,12 +315,12 @@ def earlier_run(path: str, args, defaults: dict) -> dict | None:
     prev = json.load(f)
   here = run_systems(args)
   if set(prev["records"]) != here:
-    raise SystemExit(f"--resume {path}: systems {sorted(prev['records'])} there, "
+    raise ValueError(f"--resume {path}: systems {sorted(prev['records'])} there, "
                      f"{sorted(here)} here")
   for k in RESUME_KEYS:
     have = prev["task"] if k == "task" else prev["args"].get(k, defaults[k])
     if have != getattr(args, k):
-      raise SystemExit(f"--resume {path}: {k}={have!r} there, {getattr(args, k)!r} here")
+      raise ValueError(f"--resume {path}: {k}={have!r} there, {getattr(args, k)!r} here")
   if "ar" in here:
     last = (prev.get("segments") or [{}])[-1]
     have = last.get("ar_adapter_used")
@@ -330,14 +330,14 @@ def earlier_run(path: str, args, defaults: dict) -> dict | None:
       have = (effective_ar_adapter(old) if old.ar_adapter or os.path.exists(old.ar_from)
               else f"unknown (--ar_from={old.ar_from})")
     if have != effective_ar_adapter(args):
-      raise SystemExit(f"--resume {path}: its AR records are of the adapter {have!r}, here "
+      raise ValueError(f"--resume {path}: its AR records are of the adapter {have!r}, here "
                        f"{effective_ar_adapter(args)!r}")
   n = int(prev["n_done"])
   if n > args.n:
-    raise SystemExit(f"--resume {path}: it holds {n} examples > --n={args.n}")
+    raise ValueError(f"--resume {path}: it holds {n} examples > --n={args.n}")
   recs = prev["records"]
   if args.task == "alpaca" and any("n_ids" not in r for rs in recs.values() for r in rs):
-    raise SystemExit(f"--resume {path}: its alpaca records have no n_ids (an older run)")
+    raise ValueError(f"--resume {path}: its alpaca records have no n_ids (an older run)")
   prev["records"] = {s: [dict(r) for r in rs[:n]] for s, rs in recs.items()}
   prev.setdefault("segments", [dict(
       command=prev.get("command"), examples=[0, n], load_before=prev.get("load_before"),
@@ -441,8 +441,11 @@ def main(argv=None):
     ap.error("nothing to run: give --pd_adapter, --pasta_adapter or --ar_adapter")
   if args.ar_from and args.ar_adapter:
     ap.error("--ar_from and --ar_adapter exclude each other")
-  ar_prev = earlier_ar(args.ar_from, args) if args.ar_from else None
-  prev = earlier_run(args.out, args, vars(ap.parse_args([]))) if args.resume else None
+  try:                                  # one-line errors (exit 2) before any model loads
+    ar_prev = earlier_ar(args.ar_from, args) if args.ar_from else None
+    prev = earlier_run(args.out, args, vars(ap.parse_args([]))) if args.resume else None
+  except (ValueError, OSError) as e:
+    ap.error(str(e))
   from selforch_jax.adapter import load_adapter
 
   examples, warm = _examples(args)
