@@ -40,8 +40,8 @@ are recorded (2 shared cores: other jobs slow every system).
 (the JSON is rewritten after every example, so a killed run loses at most the example it was
 on): its records are kept and the examples after them are decoded (the same task, examples,
 systems, adapters and decode options, checked before any model loads; ``--n`` may grow, not
-shrink); ``segments`` lists each run's command, example range (an empty one when nothing was
-left), load, time and AR adapter; the top-level ``command`` and load are the latest run's,
+shrink); ``segments`` lists each run's command, example range, load, time and AR adapter (with
+nothing left to decode it exits at once, the JSON unchanged); the top-level ``command`` and load are the latest run's,
 ``elapsed_s`` the sum. No ``--out`` file yet: a fresh run.
 
 ``--ar_from=JSON`` takes the AR-SFT system's records from an earlier run of this benchmark on the
@@ -246,6 +246,15 @@ def pareto(out: dict, path: str) -> str | None:
                      title=f"{out['task']}: n={systems['ar']['n_answers']}, batch 1, greedy")
 
 
+def _read_json(path: str, flag: str) -> dict:
+  """An earlier run's JSON; ValueError naming ``flag`` and ``path`` when it is not one."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{flag} {path}: not a readable JSON file ({e})") from None
+
+
 def earlier_ar(path: str, args) -> dict:
   """The AR-SFT records of an earlier run's JSON (``--ar_from``), checked to be of the same
   examples and budget: ``{"records", "path", "command", "load_before", "load_after"}``.
@@ -254,8 +263,7 @@ def earlier_ar(path: str, args) -> dict:
     ValueError: the JSON has no AR records, other examples / budget, or alpaca records
       without ``n_ids`` (an older run).
   """
-  with open(path, encoding="utf-8") as f:
-    prev = json.load(f)
+  prev = _read_json(path, "--ar_from")
   recs = prev.get("records", {}).get("ar")
   if not recs:
     raise ValueError(f"--ar_from={path}: no AR records in it")
@@ -311,8 +319,7 @@ def earlier_run(path: str, args, defaults: dict) -> dict | None:
   """
   if not os.path.exists(path):
     return None
-  with open(path, encoding="utf-8") as f:
-    prev = json.load(f)
+  prev = _read_json(path, "--resume")
   here = run_systems(args)
   if set(prev["records"]) != here:
     raise ValueError(f"--resume {path}: systems {sorted(prev['records'])} there, "
@@ -386,7 +393,7 @@ def write_run(args, argv, records: dict, prev: dict | None, start: int, load_bef
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--task", default="cities", choices=TASKS)
   ap.add_argument("--pd_adapter", default="adapters/pd_smollm2_135m",
                   help="the Planned Diffusion adapter ('' skips the PD system)")
@@ -446,6 +453,10 @@ def main(argv=None):
     prev = earlier_run(args.out, args, vars(ap.parse_args([]))) if args.resume else None
   except (ValueError, OSError) as e:
     ap.error(str(e))
+  if prev is not None and prev["n_done"] >= args.n:
+    print(f"--resume: {args.out} already holds {prev['n_done']} examples: nothing to do",
+          file=sys.stderr)
+    return prev
   from selforch_jax.adapter import load_adapter
 
   examples, warm = _examples(args)

@@ -196,13 +196,17 @@ def test_bench_resume(tmp_path, tiny_adapter, monkeypatch, capsys):
             == [[r[k] for k in keys] for r in whole["records"][s]]), s
     assert out["systems"][s]["item_accuracy"] == whole["systems"][s]["item_accuracy"]
   assert out["elapsed_s"] == pytest.approx(sum(g["elapsed_s"] for g in out["segments"]))
+  before = path.read_text()
   again = bench.main(common + ["--n=3", "--resume", f"--out={path}"])   # nothing left to do
-  assert again["records"] == out["records"] and len(again["segments"]) == 3
+  assert again["records"] == out["records"] and path.read_text() == before
   err = lambda extra: _usage_error(capsys, bench.main, extra + [f"--out={path}"])  # noqa: E731
   assert "threshold=0.0 there, 0.9 here" in err(common + ["--n=4", "--resume", "--threshold=0.9"])
   assert "systems ['ar', 'pd'] there, ['pd'] here" in err(common[:2] + common[3:]
                                                           + ["--n=4", "--resume"])
   assert "3 examples > --n=2" in err(common + ["--n=2", "--resume"])   # --n grows, not shrinks
+  (tmp_path / "broken.json").write_text("{ not json")
+  assert "--resume" in _usage_error(capsys, bench.main, common + [
+      "--n=4", "--resume", f"--out={tmp_path / 'broken.json'}"])
   # the AR records' adapter: the same path through --ar_from passes, another one does not
   assert bench.main(common[:2] + common[3:] + [
       "--n=4", "--resume", f"--ar_from={tmp_path / 'whole.json'}", f"--out={path}"])["n_done"] == 3
