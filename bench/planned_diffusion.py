@@ -40,9 +40,9 @@ are recorded (2 shared cores: other jobs slow every system).
 (the JSON is rewritten after every example, so a killed run loses at most the example it was
 on): its records are kept and the examples after them are decoded (the same task, examples,
 systems, adapters and decode options, checked before any model loads; ``--n`` may grow, not
-shrink); ``segments`` lists each run's command, example range, load, time and AR adapter (with
-nothing left to decode it exits at once, the JSON unchanged); the top-level ``command`` and load are the latest run's,
-``elapsed_s`` the sum. No ``--out`` file yet: a fresh run.
+shrink); ``segments`` lists each run's command, example range, load, time and AR adapter;
+the top-level ``command`` and load are the latest run's, ``elapsed_s`` the sum. With nothing
+left to decode it exits at once, the JSON unchanged. No ``--out`` file yet: a fresh run.
 
 ``--ar_from=JSON`` takes the AR-SFT system's records from an earlier run of this benchmark on the
 same examples (same task, seed, offset and token budget; paired by example index) instead of
