@@ -37,6 +37,14 @@ def test_categories_and_table(tmp_path, capsys):
   # a one-field error that is not the population
   c2 = dict(a, river="Qqq")
   assert mod.categories([{"text": city_sentence(c2)}], [{"cities": [a]}])["one_other"] == 1
+  # the name in a sentence not of the fixed form: several, not missing
+  malformed = f"{a['name']} is a city in {a['country']}, river {a['river']}."
+  assert mod.categories([{"text": malformed}], [{"cities": [a]}])["several"] == 1
+  # written twice, both wrong: the first sentence is judged (population alone here)
+  twice = (city_sentence(dict(a, pop=a["pop"] + 1)) + " "
+           + city_sentence(dict(a, country="Zzz", year=1)))
+  got = mod.categories([{"text": twice}], [{"cities": [a]}])
+  assert got["pop_only"] == 1 and got["several"] == 0
 
   def rec(ex, text, cp, wall):
     hits = [city_sentence(c) in text for c in ex["cities"]]
@@ -65,3 +73,10 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
   with pytest.raises(SystemExit) as e:
     mod.main(str(bad))
   assert e.value.code == 2 and "not a bench/planned_diffusion.py cities run" in capsys.readouterr().err
+  good = {"task": "cities", "args": {"seed": 1000},
+          "records": {"pd": [{"k": 2, "items": 2}], "ar": [{"k": 2, "items": 2}]}}
+  bad.write_text(json.dumps(good))            # records without their fields
+  with pytest.raises(SystemExit) as e:
+    mod.main(str(bad))
+  cap = capsys.readouterr()
+  assert e.value.code == 2 and "KeyError" in cap.err and cap.out == ""
