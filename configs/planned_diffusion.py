@@ -25,7 +25,9 @@ GGUF weights, others are random with the SmolLM2 tokenizer), ``steps``, ``seq_le
 ``lora_rank`` (0 = full fine-tune: no adapter is exported, the Orbax checkpoint holds the
 weights), ``n`` (training examples), ``lr``, ``ar_over_t`` (upstream's AR/t), ``adapter_out``,
 ``init_adapter`` (an adapter directory of the same LoRA rank whose LoRA + tag rows the run
-starts from, e.g. ``adapters/pd_smollm2_135m`` to continue its training), ``data``: ``cities``
+starts from, e.g. ``adapters/pd_smollm2_135m`` to continue its training), ``suffix_p`` (the
+share of rows whose chunks get a masked suffix instead of i.i.d. masks: the states of the
+scheduler's left-to-right ``window=1``; 0 = the issue's i.i.d. rule), ``data``: ``cities``
 (default, the synthetic task above) or ``chat`` (the PASTA-annotated chat records of
 ``data/pasta/train.jsonl`` converted by :func:`selforch_jax.data.planned_diffusion_data.
 chat_pd_records`: N = ceil(chunk tokens / 10), 0-10 ``[PAD]`` per chunk capped to the 10*N
@@ -45,7 +47,7 @@ def get_config(arg=None):
   stage, rest = config_lib.split_stage(arg, STAGES, "configs/planned_diffusion.py")
   a = config_lib.parse_arg(rest, model="smollm2_135m", steps=120, seq_len=512, batch_size=4,
                            lora_rank=8, n=2000, lr=4e-4, ar_over_t=False, adapter_out="",
-                           init_adapter="", data="cities")
+                           init_adapter="", data="cities", suffix_p=0.0)
   if a.data not in DATA:
     raise config_lib.ConfigError(f"configs/planned_diffusion.py: data={a.data!r} must be one of "
                                  f"{DATA}")
@@ -78,6 +80,7 @@ def get_config(arg=None):
   p.cities_seed = 0
   p.adapter_out = a.adapter_out
   p.init_adapter = a.init_adapter
+  p.suffix_p = float(a.suffix_p)           # semi-autoregressive noise share (0 = the issue's)
 
   c.data.name = "chat"
   c.data.annotated = True

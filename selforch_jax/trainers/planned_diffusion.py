@@ -16,6 +16,12 @@ decodes with). On the host (:func:`pd_row_masks`) each row's positions are class
   token);
 * prompt rows: no loss.
 
+``suffix_p`` > 0 trains semi-autoregressive noise too (a row masks the last ``ceil(t * length)``
+tokens of each chunk with probability ``suffix_p``; :func:`~selforch_jax.trainers.
+planned_diffusion_loss.noise_chunks`): the states of a chunk decoded left to right. Evaluation
+keeps the i.i.d. noise (``eval_loss``, ``eval_diff_ce`` comparable across runs) and, when
+``suffix_p`` > 0, also reports ``eval_suffix_diff_ce`` (every row suffix-masked).
+
 ``full_attention`` (upstream's dense-attention ablation): the chunks of a round see each other
 too (:func:`~selforch_jax.lang.planned_diffusion.dense_round_mask`; the scheduler's
 ``full_attention`` option decodes the same way).
@@ -74,30 +80,37 @@ class PlannedDiffusionTrainer(SFTTrainer):
       :class:`SFTTrainer`.
     tag_vocab: the model's tags. eps: t's lower end. ar_over_t: upstream's AR/t (default off,
       the paper's formula). full_attention: chunks of a round see each other. seed: noise.
+    suffix_p: the share of training rows with semi-autoregressive noise (module docstring).
 
   Batches: annotated rows (``tokens, targets, loss_mask, positions, mask``); :meth:`put_batch`
   adds ``ar_mask``, ``chunk_input`` and ``noise_key``.
 
   Raises:
-    ValueError: as :class:`SFTTrainer`; eps outside (0, 1).
+    ValueError: as :class:`SFTTrainer`; eps outside (0, 1); suffix_p outside [0, 1].
   """
 
   def __init__(self, model, mesh, optim, total_steps: int, *, tag_vocab: TagVocab,
                eps: float = 1e-3, ar_over_t: bool = False, full_attention: bool = False,
-               seed: int = 0, **kw):
+               seed: int = 0, suffix_p: float = 0.0, **kw):
     if not 0.0 < eps < 1.0:
       raise ValueError(f"eps must be in (0, 1), got {eps}")
+    if not 0.0 <= suffix_p <= 1.0:
+      raise ValueError(f"suffix_p must be in [0, 1], got {suffix_p}")
     self.tv, self.eps, self.ar_over_t = tag_vocab, float(eps), bool(ar_over_t)
+    self.suffix_p = float(suffix_p)
     self.full_attention, self.seed = bool(full_attention), int(seed)
     super().__init__(model, mesh, optim, total_steps, masked=True, batch_keys=PD_BATCH_KEYS, **kw)
 
-  def terms(self, params, frozen, batch) -> dict[str, jax.Array]:
+  def terms(self, params, frozen, batch, suffix_p: float | None = None) -> dict[str, jax.Array]:
     """Sums over the batch: ``loss_sum`` (the joint loss times its normaliser), ``tokens``,
-    ``ar_sum`` / ``ar_n`` (AR CE), ``diff_sum`` / ``diff_n`` (CE on masked chunk targets)."""
+    ``ar_sum`` / ``ar_n`` (AR CE), ``diff_sum`` / ``diff_n`` (CE on masked chunk targets), with
+    ``suffix_p`` (default: the trainer's) rows of semi-autoregressive noise."""
     model = nnx.merge(self.graphdef, params, frozen)
     key = jax.random.wrap_key_data(batch["noise_key"][0])
     chunk_in = batch["chunk_input"].astype(bool)
-    noisy, masked_in, t = noise_chunks(key, batch["tokens"], chunk_in, self.tv.mask, self.eps)
+    sp = self.suffix_p if suffix_p is None else suffix_p
+    noisy, masked_in, t = noise_chunks(key, batch["tokens"], chunk_in, self.tv.mask, self.eps,
+                                       sp)
     logits, _ = model(noisy, batch["positions"], batch["mask"])
     pad = jnp.zeros_like(chunk_in[:, :1])
     chunk_tgt = jnp.concatenate([chunk_in[:, 1:], pad], axis=1)     # row t predicts token t+1
@@ -114,7 +127,11 @@ class PlannedDiffusionTrainer(SFTTrainer):
     return t["loss_sum"], t["tokens"]
 
   def _eval_step(self, params, frozen, batch):
-    return self.terms(params, frozen, batch)
+    out = self.terms(params, frozen, batch, 0.0)
+    if self.suffix_p > 0.0:
+      sfx = self.terms(params, frozen, batch, 1.0)
+      out |= {"sfx_diff_sum": sfx["diff_sum"], "sfx_diff_n": sfx["diff_n"]}
+    return out
 
   def put_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     """Annotated rows -> the trainer's batch (host classes, dense rounds, the step's key)."""
@@ -139,8 +156,9 @@ class PlannedDiffusionTrainer(SFTTrainer):
     return np.tile(np.asarray(key, np.uint32)[None], (int(rows), 1))
 
   def eval_loss(self, batches) -> dict[str, float]:
-    """``eval_loss`` (joint, per loss token), ``eval_ar_ce``, ``eval_diff_ce`` over the batches;
-    batch j's noise is ``(seed, EVAL_NOISE, j)`` at every step (module docstring)."""
+    """``eval_loss`` (joint, per loss token), ``eval_ar_ce``, ``eval_diff_ce`` (and with
+    ``suffix_p`` > 0 ``eval_suffix_diff_ce``) over the batches; batch j's noise is ``(seed,
+    EVAL_NOISE, j)`` at every step (module docstring)."""
     tot: dict[str, float] = {}
     for j, b in enumerate(batches):
       b = dict(b)
@@ -148,7 +166,9 @@ class PlannedDiffusionTrainer(SFTTrainer):
       m = jax.device_get(self._eval(self.params, self.frozen, self.put_batch(b)))
       for k, v in m.items():
         tot[k] = tot.get(k, 0.0) + float(v)
-    return {"eval_loss": tot.get("loss_sum", 0.0) / max(tot.get("tokens", 0.0), 1.0),
+    out = {} if self.suffix_p == 0.0 else {
+        "eval_suffix_diff_ce": tot.get("sfx_diff_sum", 0.0) / max(tot.get("sfx_diff_n", 0.0), 1.0)}
+    return out | {"eval_loss": tot.get("loss_sum", 0.0) / max(tot.get("tokens", 0.0), 1.0),
             "eval_ar_ce": tot.get("ar_sum", 0.0) / max(tot.get("ar_n", 0.0), 1.0),
             "eval_diff_ce": tot.get("diff_sum", 0.0) / max(tot.get("diff_n", 0.0), 1.0),
             "eval_tokens": tot.get("tokens", 0.0)}

@@ -4,6 +4,14 @@ AR cross-entropy on plan / control / continuation tokens plus (1/t)-weighted mas
 cross-entropy on chunk tokens replaced by ``<|mask|>``, with t ~ U(eps, 1) per sequence. Prompt
 tokens carry no loss (the caller leaves them out of both masks).
 
+Semi-autoregressive noise (``suffix_p`` > 0, off by default = the issue's i.i.d. rule): a row
+drawn with probability ``suffix_p`` masks, in every chunk, the last ``ceil(t * length)`` tokens
+instead of each token with probability t. A chunk decoded left to right (the scheduler's
+``window=1``) is always in such a state (a clean prefix, a masked rest), which i.i.d. masking at
+rate t reaches with probability ``(1 - t)^m t^r`` only; the block-wise masking of BD3-LM (Arriola
+et al., 2025) trains the same states. The expected masked fraction is t in both, so the (1/t)
+weight is unchanged.
+
 Normalisation: the weighted sum is divided by the number of loss tokens in the batch (AR targets
 plus chunk tokens, masked or not), i.e. a per-token mean of the ELBO-style terms. Upstream also
 divides the AR terms by t; that is ``ar_over_t=True`` here (default False = the paper's formula).
@@ -16,11 +24,32 @@ import jax.numpy as jnp
 
 from selforch_jax.trainers.loss import token_cross_entropy
 
-__all__ = ["noise_chunks", "joint_loss"]
+__all__ = ["chunk_offsets", "noise_chunks", "joint_loss"]
+
+
+def chunk_offsets(chunk_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each chunk position's offset from its chunk's first position and its chunk's length.
+
+  Args:
+    chunk_mask: bool [B, N]; a chunk is a maximal run of True.
+
+  Returns:
+    (offset int32 [B, N], length int32 [B, N]); both 0 outside chunks.
+  """
+  n = chunk_mask.shape[1]
+  pos = jnp.arange(n, dtype=jnp.int32)[None, :]
+  prev = jnp.pad(chunk_mask[:, :-1], ((0, 0), (1, 0)))
+  nxt = jnp.pad(chunk_mask[:, 1:], ((0, 0), (0, 1)))
+  start = jax.lax.cummax(jnp.where(chunk_mask & ~prev, pos, 0), axis=1)
+  end = jax.lax.cummin(jnp.where(chunk_mask & ~nxt, pos, n), axis=1, reverse=True)
+  offset = jnp.where(chunk_mask, pos - start, 0)
+  length = jnp.where(chunk_mask, end - start + 1, 0)
+  return offset.astype(jnp.int32), length.astype(jnp.int32)
 
 
 def noise_chunks(key: jax.Array, token_ids: jax.Array, chunk_mask: jax.Array, mask_id: int,
-                 eps: float = 1e-3) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 eps: float = 1e-3, suffix_p: float = 0.0
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Forward masking process on chunk tokens.
 
   Args:
@@ -29,19 +58,29 @@ def noise_chunks(key: jax.Array, token_ids: jax.Array, chunk_mask: jax.Array, ma
     chunk_mask: bool [B, N], the chunk content positions that may be masked.
     mask_id: the ``<|mask|>`` token id.
     eps: lower end of t's range, 0 < eps < 1.
+    suffix_p: probability that a row masks the last ``ceil(t * length)`` tokens of each chunk
+      (module docstring) instead of each chunk token with probability t; 0 <= suffix_p <= 1.
 
   Returns:
     (noisy int32 [B, N], masked bool [B, N] (a subset of chunk_mask), t float32 [B] in [eps, 1)).
 
   Raises:
-    ValueError: eps outside (0, 1).
+    ValueError: eps outside (0, 1) or suffix_p outside [0, 1].
   """
   if not 0.0 < eps < 1.0:
     raise ValueError(f"noise_chunks: eps must be in (0, 1), got {eps}")
-  kt, km = jax.random.split(key)
+  if not 0.0 <= suffix_p <= 1.0:
+    raise ValueError(f"noise_chunks: suffix_p must be in [0, 1], got {suffix_p}")
+  kt, km = jax.random.split(key)     # (suffix_p = 0 draws what it drew before the option)
   b = token_ids.shape[0]
   t = jax.random.uniform(kt, (b,), jnp.float32, minval=eps, maxval=1.0)
   masked = chunk_mask & (jax.random.uniform(km, token_ids.shape) < t[:, None])
+  if suffix_p > 0.0:
+    offset, length = chunk_offsets(chunk_mask)
+    first = length - jnp.ceil(t[:, None] * length).astype(jnp.int32)  # first masked offset
+    suffix = chunk_mask & (offset >= first)
+    row = jax.random.uniform(jax.random.fold_in(key, 1), (b, 1)) < suffix_p
+    masked = jnp.where(row, suffix, masked)
   return jnp.where(masked, mask_id, token_ids).astype(jnp.int32), masked, t
 
 

@@ -31,6 +31,8 @@ def validate_pd(config: ml_collections.ConfigDict) -> None:
   p, d = config.planned_diffusion, config.data
   if not 0.0 < p.eps < 1.0:
     raise config_lib.ConfigError(f"planned_diffusion.eps={p.eps} must be in (0, 1)")
+  if not 0.0 <= p.suffix_p <= 1.0:
+    raise config_lib.ConfigError(f"planned_diffusion.suffix_p={p.suffix_p} must be in [0, 1]")
   if p.source not in SOURCES:
     raise config_lib.ConfigError(f"planned_diffusion.source={p.source!r} must be one of "
                                  f"{SOURCES}")
@@ -120,7 +122,8 @@ def build_pd(config, workdir: str):
                                       tag_vocab=TagVocab.from_tokenizer(tok), eps=float(p.eps),
                                       ar_over_t=bool(p.ar_over_t),
                                       full_attention=bool(p.full_attention),
-                                      seed=config.train.seed, **kw)
+                                      seed=config.train.seed, suffix_p=float(p.suffix_p),
+                                      **kw)
   train_ds = make_dataset(data, tok, "train", config.data.shuffle_seed)
   eval_ds = None
   if config.train.eval_every > 0:

@@ -57,11 +57,12 @@ def defaults() -> ml_collections.ConfigDict:
   # pasta: PASTA SFT on the same records (no [PAD], PASTA's mask, plain masked CE);
   # init_adapter: an adapter directory whose LoRA + tag rows the run starts from ("" = none);
   # source: "cities" (the synthetic records above) or "chat" (data/pasta/train.jsonl converted by
-  # data/planned_diffusion_data.chat_pd_records, written to the workdir when cities_n > 0)
+  # data/planned_diffusion_data.chat_pd_records, written to the workdir when cities_n > 0);
+  # suffix_p: the share of rows with semi-autoregressive noise (a masked suffix of every chunk)
   planned_diffusion = ml_collections.ConfigDict(dict(
       eps=1e-3, ar_over_t=False, full_attention=False, ar_only=False, no_topic=False,
       no_sync=False, cities_n=2000, cities_seed=0, adapter_out="", pasta=False,
-      init_adapter="", source="cities"))
+      init_adapter="", source="cities", suffix_p=0.0))
   # trainer: "sft" / "orthrus" / "planned_diffusion" (this module's loop), "grpo" or "bonbon"
   # (trainers/po_run.py)
   return ml_collections.ConfigDict(dict(model=model, data=data, optim=optim_defaults(),
