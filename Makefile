@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PY) -m selforch_jax.decode --config=configs/demo.py --workdir=out/demo
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q -x -n 2 --durations=15
+	$(PY) -m pytest tests -q -x -n 2 --dist loadfile --durations=15
 
 bench: $(STAMP)
 	$(PY) -m pip install -q matplotlib

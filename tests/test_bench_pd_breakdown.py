@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 
 from selforch_jax.data.synthetic_cities import city_sentence, generate_split
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.repo_files import load_module
 
 
 def _module():
-  path = os.path.join(REPO_ROOT, "bench", "planned_diffusion_breakdown.py")
-  spec = importlib.util.spec_from_file_location("bench_pd_breakdown", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_module("bench/planned_diffusion_breakdown.py")
 
 
 def test_categories_and_table(tmp_path, capsys):

@@ -4,12 +4,13 @@ AR-SFT, PASTA, Dream-style), the JSON's figures and the Pareto PNG."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 
 import pytest
+
+from tests.repo_files import load_module
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,11 +24,7 @@ def _usage_error(capsys, fn, *args) -> str:
 
 
 def _load_bench():
-  path = os.path.join(REPO_ROOT, "bench", "planned_diffusion.py")
-  spec = importlib.util.spec_from_file_location("bench_planned_diffusion", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_module("bench/planned_diffusion.py")
 
 
 def _tiny_adapter(out_dir: str) -> str:
@@ -83,7 +80,6 @@ def test_bench_smoke(tmp_path, tiny_adapter, task):
   assert out["command"].startswith("python bench/planned_diffusion.py")
 
 
-
 def test_bench_threshold_and_ar_from(tmp_path, tiny_adapter, capsys):
   """--threshold (Fast-dLLM unmasking) reaches the PD scheduler's options and the JSON (out of
   range is an error); --ar_from reuses an earlier run's AR records (other examples: an error)."""
@@ -122,10 +118,7 @@ def test_bench_threshold_and_ar_from(tmp_path, tiny_adapter, capsys):
 def test_pareto_of_variants(tmp_path, capsys):
   """bench/planned_diffusion_pareto.py on two committed cities runs (same seed): one PNG, each
   run's figures as recorded, and the common-prefix figures recomputed from the records."""
-  path = os.path.join(REPO_ROOT, "bench", "planned_diffusion_pareto.py")
-  spec = importlib.util.spec_from_file_location("bench_pd_pareto", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  mod = load_module("bench/planned_diffusion_pareto.py")
   res = os.path.join(REPO_ROOT, "bench", "results")
   paths = [os.path.join(res, f"planned_diffusion_cities_{v}_cpu.json")
            for v in ("pd150", "pd235_padlast")]

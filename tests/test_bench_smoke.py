@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.repo_files import load_module
 
 
 def _load_bench():
-  path = os.path.join(REPO_ROOT, "bench", "decode_throughput.py")
-  spec = importlib.util.spec_from_file_location("bench_decode_throughput", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_module("bench/decode_throughput.py")
 
 
 def _positive(x) -> bool:

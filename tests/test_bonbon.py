@@ -2,9 +2,7 @@
 theoretical speedup, the trainer's loss against a hand computation from log-probs, one update,
 and a round of the run through configs/pasta_po.py on a tiny model."""
 
-import importlib.util
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +19,8 @@ from selforch_jax.trainers.bonbon import (
     BonbonTrainer, ipo_loss, pair_batch, score, select_pairs, speedups, theoretical_speedup)
 from selforch_jax.trainers.optim import optim_defaults
 from selforch_jax.trainers.rollouts import to_batch
+from tests.repo_files import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = 256
 TV = TagVocab.appended(BASE, 4, eos_ids=[2], digit_ids=range(48, 58), space_ids=[32])
 TEXT = np.array([i for i in range(3, BASE) if not 48 <= i < 58 and i != 32])
@@ -89,13 +87,6 @@ def test_bonbon_loss_matches_hand_computation_and_update_lowers_it(trainer):
   trainer.train_step(batch)
   after = trainer.loss(batch)
   assert after["loss"] < got["loss"] and after["margin"] > 0   # the winner moved up vs the loser
-
-
-def load_config(path, arg):
-  spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, path))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(arg)
 
 
 def test_pasta_po_round_on_a_tiny_model(tmp_path):

@@ -7,13 +7,13 @@ space = 1, EOS = 2), tags at 100: <promise> 100, </promise> 101, <async> 102, </
 """
 
 import json
-import os
 
 import numpy as np
 import pytest
 
 from selforch_jax.data.annotated import annotated_example
 from selforch_jax.lang import TagVocab
+from tests.repo_files import load_config
 
 TV = TagVocab.appended(100, 4, digit_ids=range(10, 20), space_ids=[1], eos_ids=[2])
 P, CP, A, CA, S = 100, 101, 102, 103, 104
@@ -132,16 +132,10 @@ def test_pipeline_annotated_and_strip_tags(tmp_path, tok_tv):
 
 
 def test_train_on_annotated_rows(tmp_path):
-  import importlib.util
-
   from selforch_jax.config_lib import ConfigError
   from selforch_jax.trainers.run import train, validate
 
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  spec = importlib.util.spec_from_file_location("cfg", os.path.join(root, "configs/sft.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config("model=tiny_smollm2,lora_rank=0,steps=4,seq_len=96,batch_size=2")
+  c = load_config("configs/sft.py", "model=tiny_smollm2,lora_rank=0,steps=4,seq_len=96,batch_size=2")
   c.data.name, c.data.path = "chat", write_chat(tmp_path / "chat.jsonl", 8)
   c.data.eval_fraction, c.data.num_threads, c.data.packing = 0.0, 1, False
   c.data.annotated = True

@@ -9,6 +9,7 @@ import pytest
 
 from selforch_jax import config_lib
 from selforch_jax.eval.tip import defaults, model_paths, run, summary, validate
+from tests.repo_files import load_config
 
 
 def _config():
@@ -143,14 +144,9 @@ def test_models_are_loaded_once_and_checked_before_any_dataset_runs(tmp_path, mo
 
 
 def test_eval_tip_config_file_takes_a_shard_offset():
-  import importlib.util
-  import pathlib
-  path = pathlib.Path(__file__).resolve().parents[1] / "configs/eval_tip.py"
-  spec = importlib.util.spec_from_file_location("eval_tip_config", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config("n=150,offset=150,max_new_tokens=320,datasets=synthetic_walk+gsm8k")
+  c = load_config("configs/eval_tip.py",
+                  "n=150,offset=150,max_new_tokens=320,datasets=synthetic_walk+gsm8k")
   assert (c.eval.n, c.eval.offset, c.eval.max_new_tokens) == (150, 150, 320)
   assert c.eval.datasets == "synthetic_walk,gsm8k" and c.kind == "tip"
   validate(c)
-  assert mod.get_config(None).eval.offset == 0
+  assert load_config("configs/eval_tip.py").eval.offset == 0

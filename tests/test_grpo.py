@@ -22,6 +22,7 @@ from selforch_jax.trainers.logprobs import sequence_logprobs, token_logprobs
 from selforch_jax.trainers.optim import optim_defaults
 from selforch_jax.trainers.rewards import get_reward, register_reward
 from selforch_jax.trainers.rollouts import to_batch
+from tests.repo_files import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,11 +161,7 @@ SFT_ARG = "configs/sft.py:model=tiny_smollm2,lora_rank=0,steps=2"
 
 
 def grpo_config():
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, "configs/sft.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config(SFT_ARG.split(":", 1)[1])
+  c = load_config("configs/sft.py", SFT_ARG.split(":", 1)[1])
   for key, val in GRPO.items():
     *sect, k = key.split(".")
     (c[sect[0]] if sect else c)[k] = val

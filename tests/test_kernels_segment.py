@@ -9,7 +9,6 @@ dtypes. Tolerances (atol = rtol) are ``segment_attention.TOLERANCES``: f32 1e-5,
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -24,7 +23,8 @@ from kernels_pallas import segment_attention as sa
 from kernels_pallas import segment_mask as sm
 from kernels_pallas import testing as kt
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.repo_files import load_module
+
 EXAMPLES = int(os.environ.get("KERNEL_FUZZ_EXAMPLES", "15"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -255,10 +255,7 @@ def test_validators_name_the_bad_argument():
 # the GPU benchmark script runs (interpret mode, tiny sizes)
 
 def test_gpu_bench_cpu_smoke(tmp_path):
-  path = os.path.join(REPO_ROOT, "bench", "kernels_gpu.py")
-  spec = importlib.util.spec_from_file_location("bench_kernels_gpu", path)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
+  bench = load_module("bench/kernels_gpu.py")
   out = bench.main(["--cpu_smoke", f"--out={tmp_path}", "--dtypes=float32"])
   data = json.loads((tmp_path / "kernels_gpu.json").read_text())
   assert data["all_ok"] and out["all_ok"], data["errors"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import shlex
 import subprocess
@@ -10,15 +9,14 @@ import sys
 
 import pytest
 
+from tests.repo_files import load_module
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "launch" / "tpu_vm.py"
 
 
 def _load():
-  spec = importlib.util.spec_from_file_location("launch_tpu_vm", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_module("launch/tpu_vm.py")
 
 
 tpu_vm = _load()

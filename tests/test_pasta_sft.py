@@ -2,7 +2,6 @@
 assistant turns parse, the Baseline-SFT variant, the base model's own responses, and the config's
 batches (PASTA mask vs plain causal mask on the same examples)."""
 
-import importlib.util
 import json
 import os
 
@@ -11,8 +10,7 @@ import pytest
 
 from selforch_jax.data import pasta_data, sources
 from selforch_jax.lang import Degraded, add_tags, parse
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.repo_files import load_config
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +21,7 @@ def tok_tv():
 
 
 def load_pasta_config(arg):
-  spec = importlib.util.spec_from_file_location("pasta_cfg", os.path.join(ROOT, "configs/pasta.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(arg)
+  return load_config("configs/pasta.py", arg)
 
 
 def test_alpaca_eval_prompts_never_enter_training(tok_tv):

@@ -125,6 +125,21 @@ def test_eval_noise_is_fixed_across_steps(tmp_path):
   at7 = trainer.eval_loss(batches)
   assert at0 == at7 and at0["eval_diff_ce"] > 0
   assert not np.array_equal(trainer.noise_key(0, 2), trainer.noise_key(7, 2))
+  # suffix_p: evaluation keeps the i.i.d. figures (same params, same batches -> the same values)
+  # and adds the CE of suffix-masked chunks, another number
+  cs = load_config_file("configs/planned_diffusion.py",
+                        "model=tiny_smollm2,steps=8,seq_len=384,batch_size=2,n=16,suffix_p=0.5")
+  cs.data.eval_fraction = 0.25
+  assert cs.planned_diffusion.suffix_p == 0.5
+  trainer_s, _, _, _, ckpt_s = build_pd(cs, str(tmp_path / "run_s"))
+  ckpt_s.close()
+  got = trainer_s.eval_loss(batches)
+  assert {k: got[k] for k in at0} == at0
+  assert got["eval_suffix_diff_ce"] > 0 and got["eval_suffix_diff_ce"] != at0["eval_diff_ce"]
+  from selforch_jax.trainers.run import validate
+  cs.planned_diffusion.suffix_p = 1.5
+  with pytest.raises(config_lib.ConfigError, match="suffix_p=1.5 must be in"):
+    validate(cs)
 
 
 def test_full_fine_tune(tmp_path):

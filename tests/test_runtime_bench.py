@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.repo_files import load_module
 
 
 def _load_bench():
-  path = os.path.join(REPO_ROOT, "bench", "engine_step.py")
-  spec = importlib.util.spec_from_file_location("bench_engine_step", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_module("bench/engine_step.py")
 
 
 def test_engine_step_bench_smoke(tmp_path):

@@ -4,7 +4,6 @@ mask hides killed steps."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -14,15 +13,13 @@ import pytest
 
 from selforch_jax import config_lib
 from selforch_jax.trainers.run import validate
+from tests.repo_files import load_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _tip():
-  spec = importlib.util.spec_from_file_location("tip_config", ROOT / "configs/tip.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_module("configs/tip.py")
 
 
 @pytest.mark.parametrize("arg", [None, "sft", "dense_sft", "sft,data=synthetic_chain",

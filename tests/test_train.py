@@ -1,7 +1,7 @@
 """Training stack: config validation, resume, SIGTERM, NaN stop, LoRA, export, sharding."""
 
 import glob
-import importlib.util
+import importlib
 import json
 import os
 import signal
@@ -18,15 +18,9 @@ import pytest
 
 from selforch_jax import config_lib
 from selforch_jax.trainers.run import TrainingError, defaults, train, validate
+from tests.repo_files import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_config(path, arg=None):
-  spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, path))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(arg)
 
 
 def tiny_config(steps=6, **kw):
