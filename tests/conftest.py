@@ -11,8 +11,9 @@ import tempfile
 # in-memory cache after every module, so without a disk cache each later module compiles them
 # again. The cache is fresh for each session (a run never depends on an earlier one) unless
 # JAX_COMPILATION_CACHE_DIR is set; a cached executable is the one XLA would compile. Under
-# pytest-xdist (``make test`` runs ``-n 2 --dist loadfile``: a module and its fixtures on one worker) the controller loads this file before it starts the
-# workers, so they inherit the variable and share the one cache.
+# pytest-xdist (``make test`` runs ``-n 2 --dist loadfile``: a module and its fixtures on one
+# worker) the controller loads this file before it starts the workers, so they inherit the
+# variable and share the one cache.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache_dir = tempfile.mkdtemp(prefix="selforch_jax_test_xla_cache_")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
