@@ -13,7 +13,7 @@ from selforch_jax.api import load_config_file
 from selforch_jax.data.planned_diffusion_data import cities_records
 from selforch_jax.lang.tags import ASYNC_CLOSE, PAD, SYNC, TagVocab
 from selforch_jax.lang.planned_diffusion import dense_round_mask
-from selforch_jax.trainers.planned_diffusion import pd_row_masks
+from selforch_jax.trainers.planned_diffusion import EVAL_NOISE, pd_row_masks
 
 TV = TagVocab.appended(100, 0, digit_ids=range(48, 58))
 
@@ -134,12 +134,29 @@ def test_eval_noise_is_fixed_across_steps(tmp_path):
   trainer_s, _, _, _, ckpt_s = build_pd(cs, str(tmp_path / "run_s"))
   ckpt_s.close()
   got = trainer_s.eval_loss(batches)
-  assert {k: got[k] for k in at0} == at0
-  assert got["eval_suffix_diff_ce"] > 0 and got["eval_suffix_diff_ce"] != at0["eval_diff_ce"]
+  assert {k: got[k] for k in at0} == pytest.approx(at0, rel=1e-6)
+  sums = [0.0, 0.0]     # the suffix CE by hand: every row suffix-masked (suffix_p=1)
+  for j, b in enumerate(batches):
+    b = dict(b, noise_key=trainer_s.noise_key(j, 2, EVAL_NOISE))
+    m = trainer_s.terms(trainer_s.params, trainer_s.frozen, trainer_s.put_batch(b), 1.0)
+    sums[0] += float(m["diff_sum"])
+    sums[1] += float(m["diff_n"])
+  assert got["eval_suffix_diff_ce"] == pytest.approx(sums[0] / sums[1], rel=1e-5)
+  assert got["eval_suffix_diff_ce"] != pytest.approx(at0["eval_diff_ce"], rel=1e-3)
+  # a training step's terms use the trainer's suffix_p (0.5), not the i.i.d. rule
+  b = trainer_s.put_batch(dict(batches[0], noise_key=trainer_s.noise_key(3, 2)))
+  train_terms = trainer_s.terms(trainer_s.params, trainer_s.frozen, b)
+  for sp in (0.5, 0.0):
+    m = trainer_s.terms(trainer_s.params, trainer_s.frozen, b, sp)
+    same = float(m["diff_n"]) == float(train_terms["diff_n"])
+    assert same == (sp == 0.5)
   from selforch_jax.trainers.run import validate
   cs.planned_diffusion.suffix_p = 1.5
   with pytest.raises(config_lib.ConfigError, match="suffix_p=1.5 must be in"):
     validate(cs)
+  with pytest.raises(config_lib.ConfigError, match="suffix_p > 0 needs the diffusion loss"):
+    validate(load_config_file("configs/planned_diffusion.py",
+                              "ar_only,model=tiny_smollm2,suffix_p=0.5"))
 
 
 def test_full_fine_tune(tmp_path):

@@ -17,8 +17,9 @@ decodes with). On the host (:func:`pd_row_masks`) each row's positions are class
 * prompt rows: no loss.
 
 ``suffix_p`` > 0 trains semi-autoregressive noise too (a row masks the last ``ceil(t * length)``
-tokens of each chunk with probability ``suffix_p``; :func:`~selforch_jax.trainers.
-planned_diffusion_loss.noise_chunks`): the states of a chunk decoded left to right. Evaluation
+tokens of each chunk with probability ``suffix_p``, each weighted by the chunk's masked fraction;
+:func:`~selforch_jax.trainers.planned_diffusion_loss.noise_chunks`): the states of a chunk
+decoded left to right (per chunk; the scheduler moves every chunk by one token a step). Evaluation
 keeps the i.i.d. noise (``eval_loss``, ``eval_diff_ce`` comparable across runs) and, when
 ``suffix_p`` > 0, also reports ``eval_suffix_diff_ce`` (every row suffix-masked).
 
@@ -109,12 +110,13 @@ class PlannedDiffusionTrainer(SFTTrainer):
     key = jax.random.wrap_key_data(batch["noise_key"][0])
     chunk_in = batch["chunk_input"].astype(bool)
     sp = self.suffix_p if suffix_p is None else suffix_p
-    noisy, masked_in, t = noise_chunks(key, batch["tokens"], chunk_in, self.tv.mask, self.eps,
-                                       sp)
+    noisy, masked_in, _, rate = noise_chunks(key, batch["tokens"], chunk_in, self.tv.mask,
+                                             self.eps, sp)
     logits, _ = model(noisy, batch["positions"], batch["mask"])
     pad = jnp.zeros_like(chunk_in[:, :1])
     chunk_tgt = jnp.concatenate([chunk_in[:, 1:], pad], axis=1)     # row t predicts token t+1
     masked = jnp.concatenate([masked_in[:, 1:], pad], axis=1) & chunk_tgt
+    t = jnp.concatenate([rate[:, 1:], rate[:, -1:]], axis=1)     # each target's rate
     ar = batch["ar_mask"].astype(bool)
     loss, m = joint_loss(logits, batch["targets"], ar, masked, chunk_tgt, t, self.ar_over_t)
     n_ar = jnp.sum(ar.astype(jnp.float32))
@@ -166,8 +168,8 @@ class PlannedDiffusionTrainer(SFTTrainer):
       m = jax.device_get(self._eval(self.params, self.frozen, self.put_batch(b)))
       for k, v in m.items():
         tot[k] = tot.get(k, 0.0) + float(v)
-    out = {} if self.suffix_p == 0.0 else {
-        "eval_suffix_diff_ce": tot.get("sfx_diff_sum", 0.0) / max(tot.get("sfx_diff_n", 0.0), 1.0)}
+    out = {} if self.suffix_p == 0.0 else {"eval_suffix_diff_ce": (
+        tot.get("sfx_diff_sum", 0.0) / max(tot.get("sfx_diff_n", 0.0), 1.0))}
     return out | {"eval_loss": tot.get("loss_sum", 0.0) / max(tot.get("tokens", 0.0), 1.0),
             "eval_ar_ce": tot.get("ar_sum", 0.0) / max(tot.get("ar_n", 0.0), 1.0),
             "eval_diff_ce": tot.get("diff_sum", 0.0) / max(tot.get("diff_n", 0.0), 1.0),

@@ -33,6 +33,9 @@ def validate_pd(config: ml_collections.ConfigDict) -> None:
     raise config_lib.ConfigError(f"planned_diffusion.eps={p.eps} must be in (0, 1)")
   if not 0.0 <= p.suffix_p <= 1.0:
     raise config_lib.ConfigError(f"planned_diffusion.suffix_p={p.suffix_p} must be in [0, 1]")
+  if p.suffix_p > 0 and (p.ar_only or p.pasta):
+    raise config_lib.ConfigError("planned_diffusion.suffix_p > 0 needs the diffusion loss (not "
+                                 "ar_only or pasta, which train with plain CE)")
   if p.source not in SOURCES:
     raise config_lib.ConfigError(f"planned_diffusion.source={p.source!r} must be one of "
                                  f"{SOURCES}")
