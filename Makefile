@@ -3,7 +3,7 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-v2
+STAMP := $(VENV)/.installed-v1
 
 .PHONY: demo test bench setup clean
 

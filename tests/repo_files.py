@@ -5,6 +5,8 @@ import importlib.util
 import os
 import types
 
+from selforch_jax import config_lib
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,5 +32,6 @@ def load_module(rel_path: str, name: str | None = None) -> types.ModuleType:
 
 
 def load_config(rel_path: str, arg: str | None = None):
-  """``get_config(arg)`` of the config file ``rel_path`` (e.g. ``"configs/sft.py"``)."""
-  return load_module(rel_path).get_config(arg)
+  """``get_config(arg)`` of the config file ``rel_path`` (e.g. ``"configs/sft.py"``), by
+  :func:`selforch_jax.config_lib.load_config_file` (raises its ``ConfigError``)."""
+  return config_lib.load_config_file(os.path.join(REPO_ROOT, rel_path), arg)
